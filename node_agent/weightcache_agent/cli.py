@@ -1,0 +1,36 @@
+"""The `weightcache` command line: one entry point, one subcommand per job.
+
+Each subcommand imports only what it needs, so `weightcache status` stays fast and
+`weightcache operator` is the only one that touches kopf/kubernetes.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="weightcache", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("agent", help="load a model and serve it to engines", add_help=False)
+    sub.add_parser("status", help="show what an agent holds and who is attached", add_help=False)
+    sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "agent":
+        from .agent_main import main as run
+    elif command == "status":
+        from .status_cli import main as run
+    elif command == "operator":
+        from weightcache_operator.cli import main as run
+    else:
+        parser.parse_args(argv)  # prints the usage error and exits 2
+        return 2
+    return run(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
