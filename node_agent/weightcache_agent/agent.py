@@ -1,0 +1,300 @@
+"""The agent: hold one loaded cache and serve it to engines over a Unix socket.
+
+Flow: `bind()` claims the socket path (a lock file makes two agents on one path
+impossible; a stale socket from a dead agent is replaced), `start()` accepts
+connections on a thread, `load()` runs the cold path. Each connection gets a thread:
+status requests are answered at once; an attach waits until the cache is ready, checks
+the engine's fingerprint fields, and replies with the manifest plus the arena fd. From
+then on the connection *is* the lease: when it drops, the agent knows the engine is
+gone, and if it was a group's primary, the oldest standby of that group is promoted on
+its own socket at once. A bad client -- garbage, wrong version, oversize frame, silence,
+death mid-handshake -- is logged and dropped; nobody else notices.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import protocol
+from .errors import ProtocolError, WeightCacheError
+from .fingerprint import differences
+from .loader import LoadedCache, LoadProgress, load_cache
+from .spec import CacheSpec
+
+log = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0
+ROLES = ("primary", "standby")
+
+
+@dataclass
+class Lease:
+    id: int
+    conn: socket.socket
+    pid: int | None
+    role: str
+    group: str | None
+    since: float = field(default_factory=time.time)
+    send_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "pid": self.pid, "role": self.role, "group": self.group, "attached_at": self.since}
+
+    def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+        with self.send_lock:
+            protocol.send_message(self.conn, message, fds)
+
+
+class Agent:
+    def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False):
+        self.spec = spec
+        self.socket_path = os.path.abspath(socket_path)
+        self.show_progress = show_progress
+        self.phase = "starting"
+        self.error: str | None = None
+        self.progress = LoadProgress()
+        self.cache: LoadedCache | None = None
+        self.attach_seconds: list[float] = []  # bounded sample, newest last
+        self.attaches = 0
+        self._ready = threading.Event()
+        self._leases: dict[int, Lease] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._closed = threading.Event()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def bind(self) -> None:
+        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        lock_path = os.path.join(os.path.dirname(self.socket_path), "." + os.path.basename(self.socket_path) + ".lock")
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise WeightCacheError(f"another agent is already serving {self.socket_path}") from None
+        if os.path.exists(self.socket_path):
+            os.unlink(self.socket_path)  # we hold the lock, so its agent is gone
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        listener.bind(self.socket_path)
+        listener.listen(128)
+        self._listener = listener
+        log.info("listening on %s", self.socket_path)
+
+    def start(self) -> None:
+        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+
+    def load(self) -> None:
+        self.phase = "loading"
+        try:
+            self.cache = load_cache(self.spec, self.progress, show_bar=self.show_progress,
+                                    name=f"weightcache:{os.path.basename(self.socket_path)}")
+        except BaseException as e:
+            self.phase, self.error = "failed", str(e)
+            self._ready.set()  # wake waiting attaches so they get the error
+            raise
+        self.phase = "ready"
+        self._ready.set()
+
+    def close(self) -> None:
+        """Stop serving: remove the socket, drop every connection. Engines keep their mappings."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        if self._listener is not None:
+            try:
+                os.unlink(self.socket_path)
+            except FileNotFoundError:
+                pass
+            self._listener.close()
+        with self._lock:
+            leases = list(self._leases.values())
+            self._leases.clear()
+        for lease in leases:
+            _shutdown(lease.conn)
+        if self.cache is not None:
+            self.cache.arena.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- status ------------------------------------------------------------------------------
+
+    def leases(self) -> list[Lease]:
+        with self._lock:
+            return sorted(self._leases.values(), key=lambda lease: lease.since)
+
+    def status(self) -> dict[str, Any]:
+        cache = self.cache
+        out: dict[str, Any] = {
+            "type": "status",
+            "phase": self.phase,
+            "error": self.error,
+            "pid": os.getpid(),
+            "socket": self.socket_path,
+            "model": os.path.abspath(self.spec.model),
+            "revision": self.spec.revision,
+            "spec": self.spec.to_json(),
+            "backend": "cpu",
+            "progress": self.progress.to_json(),
+            "fingerprint": cache.fingerprint if cache else None,
+            "fields": cache.fields if cache else None,
+            "layout_hash": cache.layout.layout_hash if cache else None,
+            "bytes": cache.layout.nbytes if cache else 0,
+            "arena_bytes": cache.layout.size if cache else 0,
+            "tensors": len(cache.layout.slots) if cache else 0,
+            "load_seconds": cache.load_seconds if cache else None,
+            "attaches": self.attaches,
+            "clients": [lease.to_json() for lease in self.leases()],
+        }
+        return out
+
+    # -- connections -------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                log.exception("accept failed")
+                time.sleep(0.1)
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="client", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = protocol.peer_pid(conn)
+        lease: Lease | None = None
+        try:
+            conn.settimeout(HANDSHAKE_TIMEOUT)
+            while lease is None:
+                message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+                kind = message["type"]
+                if kind == "status":
+                    protocol.send_message(conn, self.status())
+                elif kind == "attach":
+                    lease = self._attach(conn, message, peer)
+                    if lease is None:
+                        return
+                else:
+                    raise ProtocolError(f"unexpected message type {kind!r} before attach")
+            conn.settimeout(None)
+            while True:
+                message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+                if message["type"] == "detach":
+                    return
+                raise ProtocolError(f"unexpected message type {message['type']!r} on a lease")
+        except EOFError:
+            pass
+        except socket.timeout:
+            log.warning("client pid=%s dropped: no complete request within %.0fs", peer, HANDSHAKE_TIMEOUT)
+        except ProtocolError as e:
+            log.warning("client pid=%s dropped: %s", peer, e)
+            _try_send(conn, protocol.error_message("protocol", str(e)))
+        except OSError as e:
+            log.warning("client pid=%s dropped: %s", peer, e)
+        except Exception:
+            log.exception("client pid=%s dropped after an internal error", peer)
+        finally:
+            if lease is not None:
+                self._end_lease(lease)
+            conn.close()
+
+    def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None) -> Lease | None:
+        started = time.perf_counter()
+        role, group, fields = message.get("role", "primary"), message.get("group"), message.get("fields")
+        if role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(fields, dict):
+            raise ProtocolError(f"attach needs role in {ROLES}, group a string or null, fields an object; got "
+                                f"role={role!r} group={group!r} fields={type(fields).__name__}")
+        self._ready.wait()
+        if self.cache is None:
+            protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
+            return None
+        diff = differences(self.cache.fields, fields)
+        if diff:
+            log.warning("refused attach from pid=%s: fingerprint differs in %s", peer, ", ".join(diff))
+            protocol.send_message(conn, protocol.error_message(
+                "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields))
+            return None
+        pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
+        with self._lock:
+            if role == "primary" and group is not None and any(
+                lease.role == "primary" and lease.group == group for lease in self._leases.values()
+            ):
+                primary_exists = True
+            else:
+                primary_exists = False
+                lease = Lease(next(self._ids), conn, pid, role, group)
+                self._leases[lease.id] = lease
+        if primary_exists:
+            protocol.send_message(conn, protocol.error_message(
+                "primary_exists", f"group {group!r} already has a primary; attach as a standby"))
+            return None
+        cache = self.cache
+        reply = {
+            "type": "manifest",
+            "lease": lease.id,
+            "role": role,
+            "backend": cache.arena.backend,
+            "fingerprint": cache.fingerprint,
+            "fields": cache.fields,
+            "layout_hash": cache.layout.layout_hash,
+            "arenas": [{"index": 0, "size": cache.layout.size, "backend": cache.arena.backend}],
+            "tensors": cache.layout.to_manifest(),
+        }
+        try:
+            lease.send(reply, [cache.arena.fd])
+        except BaseException:
+            self._end_lease(lease)
+            raise
+        seconds = time.perf_counter() - started
+        self.attaches += 1
+        self.attach_seconds = (self.attach_seconds + [seconds])[-1000:]
+        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, role, group, lease.id, seconds * 1e3)
+        return lease
+
+    def _end_lease(self, lease: Lease) -> None:
+        with self._lock:
+            if self._leases.pop(lease.id, None) is None:
+                return
+            successor = None
+            if lease.role == "primary" and lease.group is not None:
+                standbys = [s for s in self._leases.values() if s.group == lease.group and s.role == "standby"]
+                if standbys:
+                    successor = min(standbys, key=lambda s: s.since)
+                    successor.role = "primary"
+        log.info("detached pid=%s role=%s group=%s lease=%d", lease.pid, lease.role, lease.group, lease.id)
+        if successor is not None:
+            try:
+                successor.send({"type": "promote", "group": lease.group, "previous_pid": lease.pid})
+                log.info("promoted pid=%s to primary of group %s", successor.pid, lease.group)
+            except OSError as e:
+                log.warning("promotion of pid=%s failed (%s); trying the next standby", successor.pid, e)
+                _shutdown(successor.conn)
+
+
+def _try_send(conn: socket.socket, message: dict[str, Any]) -> None:
+    try:
+        protocol.send_message(conn, message)
+    except OSError:
+        pass
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

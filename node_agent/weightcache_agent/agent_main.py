@@ -1,0 +1,86 @@
+"""`weightcache agent`: parse flags, load the model, serve until SIGTERM.
+
+Exit status: 0 after a clean shutdown, 1 when the checkpoint or memory says no,
+2 for a refused spec (bad flag, refused quantization method), 3 when another agent
+already serves the socket.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from .errors import UnsupportedQuantization, WeightCacheError
+from .logs import configure
+from .spec import DTYPE_CHOICES, CacheSpec
+
+log = logging.getLogger("weightcache.agent")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache agent", description="Load a model once and serve it zero-copy to engines.")
+    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
+    p.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    p.add_argument("--backend", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--quantization", default="none", help="none | fp8-block")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--sharding", help="sharding preset name or YAML rules file")
+    p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
+    p.add_argument("--revision", help="revision label shown in status")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    configure(args.log_format)
+    try:
+        spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
+                         dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
+                         revision=args.revision)
+    except UnsupportedQuantization as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"weightcache agent: bad spec: {e}", file=sys.stderr)
+        return 2
+
+    from .agent import Agent  # after the spec checks: refusals stay instant
+
+    show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
+    agent = Agent(spec, args.socket, show_progress=show)
+    try:
+        agent.bind()
+    except WeightCacheError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 3
+    stop = threading.Event()
+    failure: list[BaseException] = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def load() -> None:
+        try:
+            agent.load()
+        except BaseException as e:  # reported by the main thread
+            failure.append(e)
+            stop.set()
+
+    agent.start()
+    threading.Thread(target=load, name="load", daemon=True).start()
+    while not stop.wait(0.5):
+        pass
+    agent.close()
+    if failure:
+        e = failure[0]
+        print(f"weightcache agent: {e}" if isinstance(e, WeightCacheError) else f"weightcache agent: load failed: {e!r}",
+              file=sys.stderr)
+        return 1
+    log.info("shut down cleanly")
+    return 0

@@ -1,0 +1,237 @@
+"""Read and check a safetensors checkpoint's headers without reading its data.
+
+Everything downstream (layout, fingerprint, loader) works from the `Checkpoint` this
+module returns: one `TensorRecord` per tensor with the absolute file offset of its
+bytes. Every inconsistency a header can carry -- a length beyond the file, offsets out
+of range or overlapping, sizes that contradict shape and dtype, an index that names a
+missing shard or tensor -- is refused here with the file and tensor named, before a
+single byte of weights is read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+# safetensors' own cap on the JSON header: a larger length is corruption, not a model.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# safetensors dtype code -> torch dtype
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+for _code, _name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
+    if hasattr(torch, _name):
+        DTYPES[_code] = getattr(torch, _name)
+
+DTYPE_NAMES: dict[str, torch.dtype] = {str(dt).removeprefix("torch."): dt for dt in DTYPES.values()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return DTYPE_NAMES[name]
+    except KeyError:
+        raise CheckpointError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_NAMES))}") from None
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Where one tensor's bytes are on disk."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset of the first byte in `file`
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass
+class Checkpoint:
+    directory: str
+    files: list[str]
+    tensors: dict[str, TensorRecord]
+    config: dict[str, Any] | None
+    revision: str  # content identity of the headers
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def floating_dtype(self) -> torch.dtype | None:
+        """The floating dtype holding most bytes: what `dtype=auto` resolves to."""
+        by_dtype: dict[torch.dtype, int] = {}
+        for record in self.tensors.values():
+            if record.dtype.is_floating_point and record.dtype.itemsize > 1:
+                by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes
+        return max(by_dtype, key=by_dtype.get) if by_dtype else None
+
+
+def read_header(path: str) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
+    """Parse and check one safetensors file's header; return (raw header, records, metadata)."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+                raise CheckpointError(
+                    f"{path}: header length {header_len} goes beyond the file ({size} bytes): truncated or not safetensors"
+                )
+            raw = f.read(header_len)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + header_len
+    data_size = size - data_start
+    records: dict[str, TensorRecord] = {}
+    for name, entry in header.items():
+        records[name] = _record(path, name, entry, data_start, data_size)
+    spans = sorted((r.start, r.start + r.nbytes, r.name) for r in records.values() if r.nbytes)
+    for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
+        if s1 < e0:
+            raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap in the data section")
+    return raw, records, metadata
+
+
+def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -> TensorRecord:
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{where}: header entry is not an object")
+    code = entry.get("dtype")
+    if code not in DTYPES:
+        raise CheckpointError(f"{where}: unsupported dtype {code!r}; supported: {', '.join(DTYPES)}")
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    dtype = DTYPES[code]
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise CheckpointError(
+            f"{where}: header says {end - begin} bytes but shape {shape} of {code} needs {expected}"
+        )
+    if end > data_size:
+        raise CheckpointError(
+            f"{where}: data ends at byte {end} of the data section but the file holds only {data_size} "
+            "(truncated file or a header that lies about sizes)"
+        )
+    return TensorRecord(name, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def open_checkpoint(directory: str) -> Checkpoint:
+    """Index a checkpoint directory (single file or sharded with an index) from its headers."""
+    directory = os.path.abspath(directory)
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"{directory}: model directory does not exist")
+    index_path = os.path.join(directory, INDEX_FILE)
+    expected: dict[str, str] | None = None
+    if os.path.exists(index_path):
+        expected = _read_index(index_path)
+        files = sorted(set(expected.values()))
+        for fname in files:
+            if not os.path.isfile(os.path.join(directory, fname)):
+                raise CheckpointError(f"{index_path}: names shard {fname!r}, which is missing from {directory}")
+    else:
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        if not files:
+            raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
+    digest = hashlib.sha256()
+    tensors: dict[str, TensorRecord] = {}
+    metadata: dict[str, dict[str, str]] = {}
+    for fname in files:
+        path = os.path.join(directory, fname)
+        raw, records, meta = read_header(path)
+        digest.update(f"{fname}\0{os.path.getsize(path)}\0{len(raw)}\0".encode())
+        digest.update(raw)
+        metadata[fname] = meta
+        for name, record in records.items():
+            if name in tensors:
+                raise CheckpointError(f"{path}: tensor {name!r} also appears in {tensors[name].file}")
+            tensors[name] = record
+    if expected is not None:
+        for name, fname in expected.items():
+            record = tensors.get(name)
+            if record is None or os.path.basename(record.file) != fname:
+                raise CheckpointError(
+                    f"{index_path}: lists tensor {name!r} in shard {fname!r}, but that shard does not contain it"
+                )
+    return Checkpoint(
+        directory=directory,
+        files=[os.path.join(directory, f) for f in files],
+        tensors=tensors,
+        config=_read_config(directory),
+        revision=digest.hexdigest()[:16],
+        metadata=metadata,
+    )
+
+
+def _read_index(index_path: str) -> dict[str, str]:
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{index_path}: cannot read index: {e}") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(f"{index_path}: no 'weight_map' object of tensor name -> shard file")
+    return weight_map
+
+
+def _read_config(directory: str) -> dict[str, Any] | None:
+    path = os.path.join(directory, "config.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{path}: cannot read config: {e}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: config is not a JSON object")
+    return config

@@ -1,0 +1,264 @@
+"""The engine side: attach a meta-device module to cached weights, zero-copy.
+
+`attach()` is the one call an engine makes. In `client` mode it connects to the agent,
+sends its fingerprint fields and role, receives the manifest and the arena fd, maps the
+arena read-only, builds one strided view per tensor and rebinds the module onto them.
+The connection stays open as the lease; a background thread waits on it for a
+`promote` message (hot standby) or for the agent to go away (the weights stay mapped,
+the engine keeps serving). `off` mode runs the agent's own loader in-process; `daemon`
+mode starts an agent when none answers. Imports torch, never kopf or kubernetes.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket as socketlib
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from . import protocol
+from .checkpoint import dtype_from_name, open_checkpoint
+from .cpu_arena import map_readonly
+from .errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
+from .fingerprint import fingerprint_fields
+from .layout import ArenaLayout
+from .loader import load_cache
+from .rebind import rebind
+from .spec import CacheSpec
+
+log = logging.getLogger(__name__)
+
+MODES = ("client", "daemon", "off")
+
+
+class Attachment:
+    """What `attach` returns: where the weights came from, and the lease on them."""
+
+    def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
+                 seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
+                 conn: socketlib.socket | None = None, fds: list[int] | None = None,
+                 on_promote: Callable[["Attachment"], None] | None = None):
+        self.source = source  # "agent" or "disk"
+        self.fingerprint = fingerprint
+        self.fields = fields
+        self.bytes = nbytes
+        self.tensors = tensors
+        self.seconds = seconds
+        self.layout_hash = layout_hash
+        self.role = role
+        self.group = group
+        self.agent_alive = conn is not None
+        self._conn = conn
+        self._fds = fds or []
+        self._on_promote = on_promote
+        self._closed = False
+        if conn is not None:
+            threading.Thread(target=self._watch, name="weightcache-lease", daemon=True).start()
+
+    def __repr__(self) -> str:
+        return (f"Attachment(source={self.source!r}, role={self.role!r}, tensors={len(self.tensors)}, "
+                f"bytes={self.bytes}, seconds={self.seconds:.4f}, fingerprint={self.fingerprint[:12]!r})")
+
+    def _watch(self) -> None:
+        assert self._conn is not None
+        try:
+            while True:
+                message, _ = protocol.recv_message(self._conn, protocol.MAX_REQUEST_BYTES)
+                if message["type"] == "promote":
+                    self.role = "primary"
+                    log.info("promoted to primary of group %s", message.get("group"))
+                    if self._on_promote is not None:
+                        self._on_promote(self)
+        except (EOFError, OSError, ProtocolError) as e:
+            if not self._closed:
+                log.warning("lost the agent connection (%s); weights stay mapped", e)
+        finally:
+            self.agent_alive = False
+
+    def close(self) -> None:
+        """End the lease. Tensors already handed out stay valid while referenced."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._conn is not None:
+            try:
+                protocol.send_message(self._conn, {"type": "detach"})
+                self._conn.shutdown(socketlib.SHUT_RDWR)
+            except OSError:
+                pass
+            self._conn.close()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> "Attachment":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: str = "client", fallback: bool = False,
+           role: str = "primary", group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
+           strict: bool = True, timeout: float = 600.0) -> Attachment:
+    """Rebind `module` (built on the meta device) to the weights `spec` names.
+
+    mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
+    "off" loads from disk in-process with the agent's loader. With `fallback=True`, a
+    missing or mismatched agent means a disk load instead of an error.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode == "off":
+        return _attach_from_disk(module, spec, strict)
+    socket = socket or os.environ.get("WEIGHTCACHE_SOCKET")
+    if not socket:
+        raise ValueError("attach needs socket= (or $WEIGHTCACHE_SOCKET) in client and daemon mode")
+    try:
+        if mode == "daemon":
+            conn = _connect_or_start(socket, spec, timeout)
+        else:
+            conn = _connect(socket)
+        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout)
+    except (AgentUnavailable, FingerprintMismatch) as e:
+        if not fallback:
+            raise
+        log.warning("%s; loading from disk instead (fallback=True)", e)
+        return _attach_from_disk(module, spec, strict)
+
+
+def agent_status(socket: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The agent's status document (phase, fingerprint, bytes, tensors, clients, ...)."""
+    conn = _connect(socket)
+    try:
+        conn.settimeout(timeout)
+        protocol.send_message(conn, {"type": "status"})
+        reply, _ = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES)
+        _raise_on_error(reply, socket)
+        return reply
+    except OSError as e:
+        raise AgentUnavailable(f"agent at {socket} stopped answering: {e}") from None
+    finally:
+        conn.close()
+
+
+def _connect(path: str) -> socketlib.socket:
+    conn = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM | socketlib.SOCK_CLOEXEC)
+    try:
+        conn.connect(path)
+    except OSError as e:
+        conn.close()
+        raise AgentUnavailable(f"no agent answers at {path}: {e.strerror or e}") from None
+    return conn
+
+
+def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.socket:
+    try:
+        return _connect(path)
+    except AgentUnavailable:
+        pass
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    log_path = path + ".log"
+    with open(log_path, "ab") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache_agent", "agent", *spec.agent_args(), "--socket", path, "--progress", "never"],
+            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+        )
+    log.info("started agent pid=%d for %s (log: %s)", proc.pid, path, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            return _connect(path)
+        except AgentUnavailable:
+            code = proc.poll()
+            if code not in (None, 3):  # 3: another agent won the race to this socket; wait for it
+                raise AgentUnavailable(f"agent for {path} exited with status {code}: {_tail(log_path)}") from None
+            time.sleep(0.02)
+    raise AgentUnavailable(f"agent for {path} did not answer within {timeout:.0f}s (log: {log_path})")
+
+
+def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
+                 on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float) -> Attachment:
+    started = time.perf_counter()
+    fds: list[int] = []
+    try:
+        fields = fingerprint_fields(spec, open_checkpoint(spec.model), device=None)
+        conn.settimeout(timeout)
+        protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "fields": fields})
+        reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
+            from .fingerprint import differences
+
+            raise FingerprintMismatch(differences(reply.get("fields") or {}, fields))
+        _raise_on_error(reply, conn.getpeername())
+        if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
+            raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
+        tensors = _views(reply, fds)
+        rebind(module, tensors, strict=strict)
+        conn.settimeout(None)
+    except BaseException:
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        raise
+    return Attachment(source="agent", fingerprint=reply["fingerprint"], fields=reply["fields"],
+                      nbytes=sum(t.nbytes for t in tensors.values()), tensors=tensors,
+                      seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
+                      group=group, conn=conn, fds=fds, on_promote=on_promote)
+
+
+def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
+    arena = manifest["arenas"][0]
+    if manifest.get("backend", "cpu") != "cpu":
+        raise AttachError(f"agent serves the {manifest['backend']!r} backend, which this client cannot map")
+    try:
+        layout = ArenaLayout.from_manifest(manifest["tensors"], arena["size"])
+    except (KeyError, TypeError, ValueError, WeightCacheError) as e:
+        raise ProtocolError(f"malformed manifest: {e}") from None
+    if layout.layout_hash != manifest["layout_hash"]:
+        raise ProtocolError(f"manifest layout hash {layout.layout_hash} != announced {manifest['layout_hash']}")
+    return views_of(map_readonly(fds[0], arena["size"]), layout)
+
+
+def views_of(base: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
+    """One strided view per slot of `layout` over the uint8 arena `base`."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    views = {}
+    for slot in layout.slots:
+        whole = typed.get(slot.dtype)
+        if whole is None:
+            whole = typed[slot.dtype] = base.view(slot.dtype)
+        views[slot.name] = whole.as_strided(slot.shape, slot.stride, slot.offset // slot.dtype.itemsize)
+    return views
+
+
+def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool) -> Attachment:
+    started = time.perf_counter()
+    loaded = load_cache(spec, name="weightcache:in-process")
+    try:
+        tensors = views_of(map_readonly(loaded.arena.fd, loaded.layout.size), loaded.layout)
+        rebind(module, tensors, strict=strict)
+    finally:
+        loaded.arena.close()  # the mapping keeps the memory
+    return Attachment(source="disk", fingerprint=loaded.fingerprint, fields=loaded.fields, nbytes=loaded.layout.nbytes,
+                      tensors=tensors, seconds=time.perf_counter() - started, layout_hash=loaded.layout.layout_hash)
+
+
+def _raise_on_error(reply: dict[str, Any], where: object) -> None:
+    if reply.get("type") == "error":
+        raise (AgentUnavailable if reply.get("code") == "load_failed" else WeightCacheError)(
+            f"agent at {where}: {reply.get('message')}")
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,100 @@
+"""The cpu backend: an arena is a sealed memfd, shared by passing its fd.
+
+The agent creates a memfd, reserves its pages up front (so running out of memory is an
+error at plan time, not a SIGBUS mid-load), fills it through a writable mapping, then
+drops that mapping and seals the memfd against writes, growth and shrinking. From then
+on nobody -- not the agent, not a buggy engine holding the fd -- can change the bytes:
+engines map it PROT_READ and a write through a tensor faults in that engine alone.
+The memory lives as long as any process holds the fd or a mapping, so engines keep
+serving if the agent dies.
+"""
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import warnings
+
+import torch
+
+from .errors import OutOfMemory
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+def available_memory() -> int:
+    """Bytes this process may still allocate: MemAvailable, capped by the cgroup limit."""
+    avail = None
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            avail = min(avail or 0, int(limit) - used)
+    except OSError:
+        pass
+    return avail if avail is not None else 1 << 62
+
+
+class CpuArena:
+    """A memfd-backed arena owned by the agent (or by an `off`-mode engine)."""
+
+    backend = "cpu"
+
+    def __init__(self, size: int, name: str = "weightcache", fd: int | None = None):
+        self.size = size
+        self._mapping: mmap.mmap | None = None
+        if fd is not None:  # an arena handed back by an engine
+            self.fd = fd
+            return
+        avail = available_memory()
+        if size > avail:
+            raise OutOfMemory(
+                f"arena of {size / 2**30:.2f} GiB does not fit: {avail / 2**30:.2f} GiB of host memory available"
+            )
+        self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            os.posix_fallocate(self.fd, 0, size)
+        except OSError as e:
+            os.close(self.fd)
+            raise OutOfMemory(f"cannot reserve an arena of {size / 2**30:.2f} GiB: {e.strerror}") from None
+
+    def writable(self) -> memoryview:
+        """A writable view of the whole arena, valid until `seal()`."""
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+        return memoryview(self._mapping)
+
+    def seal(self) -> None:
+        """Drop the writable mapping and forbid every future write to the memfd."""
+        if self._mapping is not None:
+            self._mapping.close()  # raises BufferError if a view of it is still alive: a loader bug
+            self._mapping = None
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+
+    def close(self) -> None:
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def map_readonly(fd: int, size: int) -> torch.Tensor:
+    """Map an arena fd read-only and return it as one uint8 tensor (no copy)."""
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise OSError(f"arena fd holds {actual} bytes but the manifest says {size}")
+    mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable: that is the point.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)

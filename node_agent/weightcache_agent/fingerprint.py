@@ -1,0 +1,85 @@
+"""The fingerprint: one hash over everything that decides the bytes in an arena.
+
+`fingerprint_fields` lists those things by name -- model and content identity of its
+headers, parallelism and rank, quantization and its config, dtype, sharding, layout
+version, and marks of the environment (torch version, device). The agent publishes its
+fields; an engine computes its own from its spec and `differences` names every field
+that disagrees, so a mismatch says exactly what differs instead of "hash differs".
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+
+from .checkpoint import Checkpoint, dtype_name
+from .spec import CacheSpec
+
+# Bump when the loader would place or transform bytes differently for the same inputs.
+LAYOUT_VERSION = 1
+
+QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "fp8-block": {"format": "float8_e4m3fn", "block": [128, 128], "scale": "weight_scale_inv"},
+}
+
+
+def resolved_dtype(spec: CacheSpec, checkpoint: Checkpoint) -> str:
+    if spec.dtype != "auto":
+        return spec.dtype
+    found = checkpoint.floating_dtype()
+    return dtype_name(found) if found is not None else "none"
+
+
+def environment_fields(device: str | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2])}
+    if device is not None:
+        fields["device"] = device
+    return fields
+
+
+def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | None = "cpu") -> dict[str, Any]:
+    quant_config = QUANTIZATION_CONFIGS[spec.quantization]
+    fields = {
+        "model": os.path.basename(checkpoint.directory.rstrip("/")),
+        "revision": checkpoint.revision,
+        "tp_size": spec.tp_size,
+        "tp_rank": spec.tp_rank,
+        "pp_size": 1,
+        "dp_size": 1,
+        "expert_parallel": spec.expert_parallel,
+        "quantization": spec.quantization,
+        "quantization_config": _short_hash(quant_config),
+        "dtype": resolved_dtype(spec, checkpoint),
+        "sharding": spec.sharding or "auto",
+        "layout_version": LAYOUT_VERSION,
+    }
+    fields.update(environment_fields(device))
+    return fields
+
+
+def fingerprint(fields: dict[str, Any]) -> str:
+    return _short_hash(fields)
+
+
+# An engine cannot know the agent's device before it connects; the backend checks the
+# device itself when it maps the arena, so an engine may leave this field out.
+ENGINE_MAY_OMIT = frozenset({"device"})
+
+
+def differences(cache: dict[str, Any], engine: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Fields whose values differ, as name -> (cache value, engine value)."""
+    keys = set(cache) | set(engine)
+    keys -= {k for k in ENGINE_MAY_OMIT if k not in engine}
+    return {
+        key: (cache.get(key, "<absent>"), engine.get(key, "<absent>"))
+        for key in sorted(keys)
+        if cache.get(key, "<absent>") != engine.get(key, "<absent>")
+    }
+
+
+def _short_hash(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]

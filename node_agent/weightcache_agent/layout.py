@@ -1,0 +1,94 @@
+"""Where every tensor lives inside an arena, decided before any data is read.
+
+The loader plans the tensors (name, dtype, shape); `lay_out` packs them at aligned
+offsets into one arena and the result travels to engines as the manifest. The layout
+hash covers every (name, offset, shape, stride, dtype), so an agent re-adopting an
+arena and an engine rebuilding views can both check they agree on every byte.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .checkpoint import dtype_from_name, dtype_name
+import torch
+
+# 256 bytes: the widest alignment a CUDA kernel or a vector load asks of a tensor start.
+TENSOR_ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    kind: str = "weight"  # "weight": from the checkpoint; "extra": made by the loader (e.g. scales)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def stride(self) -> tuple[int, ...]:
+        stride, acc = [], 1
+        for dim in reversed(self.shape):
+            stride.append(acc)
+            acc *= max(dim, 1)
+        return tuple(reversed(stride))
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    slots: tuple[TensorSlot, ...]
+    size: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slots)
+
+    @property
+    def layout_hash(self) -> str:
+        canon = [[s.name, s.offset, list(s.shape), list(s.stride), dtype_name(s.dtype), s.kind] for s in self.slots]
+        return hashlib.sha256(json.dumps([self.size, canon], separators=(",", ":")).encode()).hexdigest()[:16]
+
+    def to_manifest(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": s.name,
+                "arena": 0,
+                "offset": s.offset,
+                "shape": list(s.shape),
+                "stride": list(s.stride),
+                "dtype": dtype_name(s.dtype),
+                "kind": s.kind,
+            }
+            for s in self.slots
+        ]
+
+    @classmethod
+    def from_manifest(cls, entries: list[dict[str, Any]], size: int) -> "ArenaLayout":
+        slots = []
+        for e in entries:
+            slot = TensorSlot(e["name"], dtype_from_name(e["dtype"]), tuple(e["shape"]), int(e["offset"]), e.get("kind", "weight"))
+            if list(slot.stride) != list(e["stride"]) or slot.offset < 0 or slot.offset + slot.nbytes > size:
+                raise ValueError(f"manifest entry {e['name']!r} does not fit an arena of {size} bytes")
+            slots.append(slot)
+        return cls(tuple(slots), size)
+
+
+def lay_out(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...], str]], granularity: int = 4096) -> ArenaLayout:
+    """Pack (name, dtype, shape, kind) at TENSOR_ALIGNMENT offsets; round the size up to `granularity`."""
+    slots, offset = [], 0
+    for name, dtype, shape, kind in tensors:
+        slot = TensorSlot(name, dtype, tuple(shape), offset, kind)
+        slots.append(slot)
+        offset = _round_up(offset + slot.nbytes, TENSOR_ALIGNMENT)
+    return ArenaLayout(tuple(slots), max(_round_up(offset, granularity), granularity))
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return (value + multiple - 1) // multiple * multiple

@@ -1,0 +1,128 @@
+"""Framing for the agent's Unix socket: versioned, length-prefixed JSON, fds alongside.
+
+A frame is a 12-byte header -- magic `WCAP`, protocol version (u16), reserved (u16),
+body length (u32), network order -- then a UTF-8 JSON object with a "type". Arena fds
+ride on the header bytes as SCM_RIGHTS ancillary data, so they arrive with the first
+`recvmsg` of the frame. Each side caps what it accepts: requests are small, a reply may
+carry a large manifest. Anything else raises `ProtocolError` naming what was wrong.
+
+Messages (client -> agent):
+  {"type": "status"}                                   -> {"type": "status", ...}
+  {"type": "attach", "pid", "role", "group", "fields"} -> {"type": "manifest", ...} + fds, then the
+      connection is the lease; the agent may later send {"type": "promote"}.
+  {"type": "detach"}                                   -> the lease ends cleanly
+  {"type": "handback", "fingerprint", "layout_hash"}   -> reply + fds: an engine returning an arena to
+      a restarted agent (the agent asks with {"type": "request_handback"}).
+Errors: {"type": "error", "code": str, "message": str, ...}.
+"""
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+from .errors import ProtocolError
+
+MAGIC = b"WCAP"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!4sHHI")
+MAX_REQUEST_BYTES = 1 << 20  # what the agent accepts from a client
+MAX_REPLY_BYTES = 256 << 20  # what a client accepts from the agent (manifests of 100k+ tensors)
+MAX_FDS = 64
+
+
+def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body))
+    if fds:
+        sent = socket.send_fds(sock, [header], list(fds))
+        if sent != len(header):
+            sock.sendall(header[sent:])
+        sock.sendall(body)
+    else:
+        sock.sendall(header + body)
+
+
+def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame. Returns (message, fds); the caller owns the fds."""
+    header = bytearray()
+    fds: list[int] = []
+    try:
+        while len(header) < HEADER.size:
+            data, new_fds = _recv_with_fds(sock, HEADER.size - len(header), max_fds)
+            fds += new_fds
+            if not data:
+                if header:
+                    raise ProtocolError(f"connection closed inside a frame header ({len(header)} of {HEADER.size} bytes)")
+                raise EOFError("peer closed the connection")
+            header += data
+        magic, version, _reserved, length = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}: not a weightcache frame (expected {MAGIC!r})")
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
+        if length > max_bytes:
+            raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
+        body = _recv_exact(sock, length)
+        try:
+            message = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ProtocolError(f"frame body is not JSON: {e}") from None
+        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+            raise ProtocolError("frame body is not a JSON object with a string 'type'")
+        return message, fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[bytes, list[int]]:
+    if max_fds == 0:
+        # Still read ancillary space so fds a peer pushes at us are received and closed, not leaked.
+        max_fds = 1
+        want = False
+    else:
+        want = True
+    fds = array.array("i")
+    data, ancdata, flags, _addr = sock.recvmsg(nbytes, socket.CMSG_SPACE(max_fds * fds.itemsize))
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    received = list(fds)
+    if flags & socket.MSG_CTRUNC or not want:
+        for fd in received:
+            os.close(fd)
+        if received or flags & socket.MSG_CTRUNC:
+            raise ProtocolError("peer sent file descriptors that were not asked for")
+        return data, []
+    return data, received
+
+
+def _recv_exact(sock: socket.socket, length: int) -> bytes:
+    buf = bytearray(length)
+    view = memoryview(buf)
+    got = 0
+    while got < length:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ProtocolError(f"connection closed inside a frame body ({got} of {length} bytes)")
+        got += n
+    return bytes(buf)
+
+
+def error_message(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"type": "error", "code": code, "message": message, **extra}
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The peer's pid as the kernel saw it at connect time (0 when it lives in a PID namespace we cannot see)."""
+    try:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        pid, _uid, _gid = struct.unpack("3i", creds)
+        return pid or None
+    except OSError:
+        return None

@@ -1,0 +1,50 @@
+"""`CacheSpec`: what an engine wants from a cache, and what an agent is asked to hold.
+
+The same object travels both ways: the agent is started from one (CLI flags map onto its
+fields) and the engine's client builds one to ask for weights. Both derive the
+fingerprint from it, so a field added here is automatically checked on attach.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .quantization import check_quantization
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    model: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    quantization: str = "none"
+    dtype: str = "auto"
+    sharding: str | None = None  # preset name or YAML rules file; None: chosen from config.json
+    expert_parallel: bool = False
+    revision: str | None = None  # a label (e.g. a git revision) shown in status; content identity is checked separately
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        check_quantization(self.quantization)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def agent_args(self) -> list[str]:
+        """The `weightcache agent` flags that ask for exactly this spec."""
+        args = ["--model", self.model, "--tp-size", str(self.tp_size), "--tp-rank", str(self.tp_rank),
+                "--quantization", self.quantization, "--dtype", self.dtype]
+        if self.sharding:
+            args += ["--sharding", self.sharding]
+        if self.expert_parallel:
+            args.append("--expert-parallel")
+        if self.revision:
+            args += ["--revision", self.revision]
+        return args

@@ -1,0 +1,66 @@
+"""`weightcache status`: ask an agent what it holds and who is attached."""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+
+from .client import agent_status
+from .errors import WeightCacheError
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="weightcache status", description="Show an agent's cache and its clients.")
+    p.add_argument("--socket", required=True)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    args = p.parse_args(argv)
+    try:
+        status = agent_status(args.socket)
+    except WeightCacheError as e:
+        print(f"weightcache status: {e}", file=sys.stderr)
+        return 1
+    status.pop("type", None)
+    if args.json:
+        json.dump(status, sys.stdout, indent=2)
+        print()
+        return 0
+    print(render(status))
+    return 0
+
+
+def render(status: dict) -> str:
+    progress = status["progress"]
+    rows = [
+        ("socket", status["socket"]),
+        ("phase", status["phase"] + (f" ({status['error']})" if status.get("error") else "")),
+        ("model", status["model"]),
+        ("revision", status.get("revision") or (status.get("fields") or {}).get("revision") or "-"),
+        ("fingerprint", status.get("fingerprint") or "-"),
+        ("backend", status["backend"]),
+        ("resident", f"{_size(status['bytes'])} in {status['tensors']} tensors"),
+    ]
+    if status["phase"] == "loading":
+        eta = progress.get("eta_seconds")
+        rows.append(("progress", f"{progress['fraction']:.0%}  {_size(progress['bytes_done'])}/{_size(progress['bytes_total'])}"
+                                 f"  {_size(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else f"{progress['fraction']:.0%}"))
+    if status.get("load_seconds") is not None:
+        rows.append(("load time", f"{status['load_seconds']:.2f}s"))
+    rows.append(("clients", str(len(status["clients"]))))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k.upper():<{width}}  {v}" for k, v in rows]
+    if status["clients"]:
+        lines.append("")
+        lines.append(f"  {'PID':>8}  {'ROLE':<8}  {'GROUP':<12}  ATTACHED")
+        for c in status["clients"]:
+            since = datetime.datetime.fromtimestamp(c["attached_at"]).strftime("%Y-%m-%d %H:%M:%S")
+            lines.append(f"  {c['pid'] or '-':>8}  {c['role']:<8}  {c['group'] or '-':<12}  {since}")
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
