@@ -15,6 +15,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("agent", help="load a model and serve it to engines", add_help=False)
     sub.add_parser("status", help="show what an agent holds and who is attached", add_help=False)
+    sub.add_parser("engine", help="run the reference inference engine", add_help=False)
+    sub.add_parser("demo", help="the whole story on this machine: load, attach, serve, fail over", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
@@ -24,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
         from .agent_main import main as run
     elif command == "status":
         from .status_cli import main as run
+    elif command == "engine":
+        from .engine_main import main as run
+    elif command == "demo":
+        from .demo import main as run
     elif command == "operator":
         from weightcache_operator.cli import main as run
     else:
