@@ -1,0 +1,321 @@
+"""The reference inference engine: one model, attached through the public client, over HTTP.
+
+It exists to show (and test) what an engine gains from the cache: build the model on the
+meta device, `attach()` it to the agent's arena, serve. Flow: `Engine` holds the model
+and its state (starting -> attaching -> warming -> serving, or failed); `Engine.load()`
+runs attach + RoPE tables + one warm-up pass; `make_server()` wraps it in the stdlib
+`ThreadingHTTPServer` (started before the load, so /healthz answers while weights
+arrive). Readiness is role-aware: a primary is ready once warmed up, a standby is
+attached and warm but answers 503 until the agent promotes it, at which point the
+client's callback flips `role` and the very next request is served.
+
+Endpoints: `POST /generate` {"tokens": [int], "max_tokens": int} -> {"tokens": [int]};
+`GET /healthz` (the process is alive; details as JSON); `GET /readyz` (200 only when
+this engine should take traffic). Every error is JSON {"error": message} with a 4xx/5xx.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+
+from .client import Attachment, attach
+from .checkpoint import dtype_from_name, open_checkpoint
+from .fingerprint import resolved_dtype
+from .model import CausalLM, ModelConfig, build_model
+from .spec import CacheSpec
+
+log = logging.getLogger("weightcache.engine")
+
+MAX_BODY_BYTES = 1 << 20
+ROLES = ("primary", "standby")
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    model: str
+    socket: str | None = None
+    mode: str = "client"  # client | daemon | off
+    role: str = "primary"
+    group: str | None = None
+    fallback: bool = False
+    tp_size: int = 1
+    tp_rank: int = 0
+    quantization: str = "none"
+    dtype: str = "auto"
+    max_context: int | None = None  # prompt + new tokens; default: the model's max_position_embeddings
+    max_new_tokens: int = 256
+
+    def spec(self) -> CacheSpec:
+        return CacheSpec(model=self.model, tp_size=self.tp_size, tp_rank=self.tp_rank,
+                         quantization=self.quantization, dtype=self.dtype)
+
+
+class BadRequest(Exception):
+    """A request the engine refuses; `status` is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST):
+        super().__init__(message)
+        self.status = int(status)
+
+
+def model_config(spec: CacheSpec) -> ModelConfig:
+    """The model's config, with the dtype the loader will give non-quantized tensors."""
+    dtype = dtype_from_name(resolved_dtype(spec, open_checkpoint(spec.model)))
+    return ModelConfig.from_pretrained(spec.model, dtype=dtype, quantization=spec.quantization, tp_size=spec.tp_size)
+
+
+def load_model(spec: CacheSpec, mode: str = "off", socket: str | None = None, **attach_args: Any) -> tuple[CausalLM, Attachment]:
+    """Build the model on meta, attach it, compute RoPE tables: the engine's load path, reusable in-process."""
+    model = build_model(model_config(spec))
+    attachment = attach(model, spec, socket=socket, mode=mode, **attach_args)
+    try:
+        model.prepare()
+    except BaseException:
+        attachment.close()
+        raise
+    return model, attachment
+
+
+class Engine:
+    def __init__(self, options: EngineOptions):
+        if options.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {options.role!r}")
+        self.options = options
+        self.spec = options.spec()
+        self.role = options.role
+        self.state = "starting"
+        self.error: str | None = None
+        self.model: CausalLM | None = None
+        self.attachment: Attachment | None = None
+        self.started = time.monotonic()
+        self.promoted_at: float | None = None
+        self.requests = 0
+        self._lock = threading.Lock()  # one forward at a time: CPU threads are shared anyway
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Attach the weights and warm up. On failure `state` is "failed" and the error is re-raised."""
+        try:
+            self.state = "attaching"
+            opts = self.options
+            model, self.attachment = load_model(self.spec, mode=opts.mode, socket=opts.socket, fallback=opts.fallback,
+                                                role=opts.role, group=opts.group, on_promote=self._on_promote)
+            log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s)",
+                     os.path.basename(os.path.abspath(opts.model)), self.attachment.source,
+                     self.attachment.seconds * 1e3, len(self.attachment.tensors), self.attachment.bytes / 2**20,
+                     self.role, opts.group)
+            self.state = "warming"
+            t0 = time.perf_counter()
+            if model.config.tp_size == 1:
+                model.generate([0], 2)  # first-call costs (allocator, kernels) are paid before traffic
+            self.model = model
+            self.state = "serving"
+            log.info("warmed up in %.1f ms; %s", (time.perf_counter() - t0) * 1e3,
+                     "ready for traffic" if self.ready else "standing by for promotion")
+        except BaseException as e:
+            self.state, self.error = "failed", str(e) or type(e).__name__
+            raise
+
+    def close(self) -> None:
+        if self.attachment is not None:
+            self.attachment.close()
+
+    def _on_promote(self, attachment: Attachment) -> None:
+        # Runs on the client's lease thread the moment the agent's message arrives.
+        previous = self.role
+        self.role = attachment.role
+        self.promoted_at = time.monotonic()
+        log.warning("PROMOTED: %s -> %s of group %s; now %s", previous, self.role, self.options.group,
+                    "serving traffic" if self.ready else f"ready once {self.state} finishes")
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "serving" and self.role == "primary"
+
+    def not_ready_reason(self) -> str:
+        if self.state == "failed":
+            return f"failed: {self.error}"
+        if self.state != "serving":
+            return f"{self.state}: weights not ready yet"
+        if self.role == "standby":
+            return "standby: attached and warm, waiting for promotion"
+        return ""
+
+    def health(self) -> dict[str, Any]:
+        att = self.attachment
+        return {
+            "status": "ok",
+            "pid": os.getpid(),
+            "state": self.state,
+            "role": self.role,
+            "group": self.options.group,
+            "ready": self.ready,
+            "error": self.error,
+            "model": os.path.abspath(self.options.model),
+            "mode": self.options.mode,
+            "source": att.source if att else None,
+            "attach_seconds": att.seconds if att else None,
+            "bytes": att.bytes if att else 0,
+            "fingerprint": att.fingerprint if att else None,
+            "agent_connected": bool(att and att.agent_alive),
+            "uptime_seconds": time.monotonic() - self.started,
+            "requests": self.requests,
+        }
+
+    # -- requests ------------------------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int:
+        limit = self.model.config.max_position_embeddings if self.model else 0
+        return min(limit, self.options.max_context) if self.options.max_context else limit
+
+    def parse_generate(self, body: bytes) -> tuple[list[int], int]:
+        """Validate a /generate body; every refusal names what is wrong."""
+        try:
+            request = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"body is not valid JSON: {e}") from None
+        if not isinstance(request, dict):
+            raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
+        unknown = sorted(set(request) - {"tokens", "max_tokens"})
+        if unknown:
+            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'")
+        assert self.model is not None
+        tokens, vocab = request.get("tokens"), self.model.config.vocab_size
+        if not isinstance(tokens, list):
+            raise BadRequest("'tokens' must be a list of token ids")
+        if not tokens:
+            raise BadRequest("'tokens' is empty: give at least one token id")
+        for i, t in enumerate(tokens):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise BadRequest(f"'tokens'[{i}] is {t!r}: token ids must be integers")
+            if not 0 <= t < vocab:
+                raise BadRequest(f"'tokens'[{i}] is {t}: outside the vocabulary [0, {vocab})")
+        max_tokens = request.get("max_tokens", 16)
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
+            raise BadRequest(f"'max_tokens' must be an integer, got {max_tokens!r}")
+        if not 1 <= max_tokens <= self.options.max_new_tokens:
+            raise BadRequest(f"'max_tokens' must be in [1, {self.options.max_new_tokens}], got {max_tokens}")
+        if len(tokens) + max_tokens > self.max_context:
+            raise BadRequest(f"prompt of {len(tokens)} tokens + max_tokens {max_tokens} exceeds the context limit "
+                             f"of {self.max_context}")
+        return tokens, max_tokens
+
+    def generate(self, body: bytes) -> dict[str, Any]:
+        if not self.ready:
+            raise BadRequest(f"not serving: {self.not_ready_reason()}", HTTPStatus.SERVICE_UNAVAILABLE)
+        tokens, max_tokens = self.parse_generate(body)
+        if self.spec.tp_size != 1:
+            raise BadRequest(f"tensor-parallel generation (tp_size={self.spec.tp_size}) needs every rank; this "
+                             "reference engine serves tp_size=1 only", HTTPStatus.NOT_IMPLEMENTED)
+        assert self.model is not None
+        t0 = time.perf_counter()
+        with self._lock:
+            out = self.model.generate(tokens, max_tokens)
+        self.requests += 1
+        return {"tokens": out, "seconds": time.perf_counter() - t0, "role": self.role}
+
+
+# -- HTTP ------------------------------------------------------------------------------------------
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_version = "weightcache-engine"
+    protocol_version = "HTTP/1.1"  # keep-alive: pollers and load balancers reuse connections
+    engine: Engine  # set on the subclass made by make_server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self._reply(200, self.engine.health())
+        elif path == "/readyz":
+            engine = self.engine
+            if engine.ready:
+                self._reply(200, {"ready": True, "role": engine.role})
+            else:
+                self._reply(503, {"ready": False, "role": engine.role, "reason": engine.not_ready_reason()})
+        elif path == "/generate":
+            self._reply(405, {"error": "use POST /generate"}, allow="POST")
+        else:
+            self._reply(404, {"error": f"no such endpoint {path!r}; try POST /generate, GET /healthz, GET /readyz"})
+
+    def do_POST(self) -> None:  # noqa: N802
+        path = self.path.split("?", 1)[0]
+        if path != "/generate":
+            self._discard_body()
+            if path in ("/healthz", "/readyz"):
+                self._reply(405, {"error": f"use GET {path}"}, allow="GET")
+            else:
+                self._reply(404, {"error": f"no such endpoint {path!r}; try POST /generate"})
+            return
+        try:
+            body = self._read_body()
+            self._reply(200, self.engine.generate(body))
+        except BadRequest as e:
+            self._reply(e.status, {"error": str(e)})
+        except Exception as e:  # a bug must not take the server down; it is logged with its traceback
+            log.exception("generate failed")
+            self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"})
+
+    def _read_body(self) -> bytes:
+        length = self.headers.get("Content-Length")
+        if length is None:
+            self.close_connection = True
+            raise BadRequest("missing Content-Length", HTTPStatus.LENGTH_REQUIRED)
+        try:
+            n = int(length)
+            if n < 0:
+                raise ValueError
+        except ValueError:
+            self.close_connection = True
+            raise BadRequest(f"bad Content-Length {length!r}") from None
+        if n > MAX_BODY_BYTES:
+            self.close_connection = True  # the body stays unread: this connection cannot be reused
+            raise BadRequest(f"body of {n} bytes exceeds {MAX_BODY_BYTES}", HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+        return self.rfile.read(n)
+
+    def _discard_body(self) -> None:
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            n = -1
+        if 0 <= n <= MAX_BODY_BYTES:
+            self.rfile.read(n)
+        else:
+            self.close_connection = True
+
+    def _reply(self, status: int, payload: dict[str, Any], **headers: str) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in headers.items():
+            self.send_header(key.capitalize(), value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's signature)
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class EngineServer(ThreadingHTTPServer):
+    daemon_threads = True  # a hung client must not block shutdown
+    allow_reuse_address = True
+
+
+def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> EngineServer:
+    """Bind the HTTP server (port 0: any free port; read it from `server.server_address`)."""
+    handler = type("EngineHandler", (_Handler,), {"engine": engine})
+    return EngineServer((host, port), handler)

@@ -1,0 +1,108 @@
+"""`weightcache engine`: run the reference engine until SIGTERM/SIGINT.
+
+Order matters for operators: the HTTP server binds first (so /healthz answers and the
+chosen port is known while weights arrive), then the weights are attached, then the
+engine warms up and /readyz turns 200 (a primary) or stays 503 until promotion (a
+standby). Exit status: 0 after a clean shutdown, 1 when loading or attaching failed
+(including a refused second primary), 2 for bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from .errors import WeightCacheError
+from .logs import configure
+from .spec import DTYPE_CHOICES
+
+log = logging.getLogger("weightcache.engine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache engine",
+                                description="Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.")
+    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
+    p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET); not needed with --mode off")
+    p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",
+                   help="client: attach to a running agent; daemon: start one if none answers; off: load from disk in-process")
+    p.add_argument("--fallback", action="store_true", help="load from disk if the agent is missing or holds other weights")
+    p.add_argument("--role", choices=("primary", "standby"), default="primary")
+    p.add_argument("--group", help="hot-standby group: a standby takes over when its group's primary dies")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, see --port-file)")
+    p.add_argument("--port-file", help="write the bound HTTP port here once listening")
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--quantization", default="none", help="none | fp8-block")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--max-context", type=int, help="prompt + new tokens limit (default: the model's)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound for a request's max_tokens")
+    p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure(args.log_format, getattr(logging, args.log_level.upper()))
+    if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")):
+        parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET)")
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+
+    import torch  # after flag checks: a typo costs no torch import
+
+    from .engine import Engine, EngineOptions, make_server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine(EngineOptions(
+            model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
+            tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
+            max_context=args.max_context, max_new_tokens=args.max_new_tokens))
+    except (ValueError, WeightCacheError) as e:
+        print(f"weightcache engine: {e}", file=sys.stderr)
+        return 2
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        server = make_server(engine, args.host, args.port)
+    except OSError as e:
+        print(f"weightcache engine: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    host, port = server.server_address[:2]
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{port}\n")
+        os.replace(tmp, args.port_file)  # readers never see a half-written file
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1}, name="http", daemon=True).start()
+    log.info("pid %d listening on http://%s:%d (role=%s, group=%s, mode=%s)", os.getpid(), host, port, args.role,
+             args.group, args.mode)
+
+    code = 0
+    try:
+        engine.load()
+    except (WeightCacheError, ValueError, OSError) as e:
+        log.error("cannot serve: %s", e)
+        code = 1
+    except Exception:
+        log.exception("cannot serve: load failed")
+        code = 1
+    if code == 0:
+        while not stop.wait(0.5):
+            pass
+        log.info("shutting down (served %d requests)", engine.requests)
+    server.shutdown()
+    server.server_close()
+    engine.close()
+    return code
