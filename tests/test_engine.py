@@ -1,0 +1,175 @@
+"""The reference engine: attach through a real agent, generate over real HTTP, refuse bad input.
+
+Correctness is checked bit for bit: logits computed on weights attached from the agent
+must equal those computed on the same checkpoint loaded in-process (`mode="off"`).
+"""
+from __future__ import annotations
+
+import signal
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from engine_fixtures import PROMPT, llama_checkpoint, module_supervisor, qwen2_checkpoint, readyz  # noqa: F401
+from weightcache_agent import CacheSpec
+from weightcache_agent.engine import load_model
+from weightcache_agent.errors import CheckpointError
+from weightcache_agent.loader import load_cache
+from weightcache_agent.model import Fp8BlockLinear
+from weightcache_agent.supervise import http_json
+
+
+@pytest.fixture(scope="module")
+def cluster(module_supervisor, llama_checkpoint, qwen2_checkpoint):  # noqa: F811
+    sup = module_supervisor
+    llama_agent = sup.start_agent(llama_checkpoint, "llama")
+    qwen_agent = sup.start_agent(qwen2_checkpoint, "qwen")
+    engine = sup.start_engine(llama_checkpoint, "primary", socket=llama_agent.socket, group="g")
+    llama_agent.wait_ready()
+    qwen_agent.wait_ready()
+    engine.wait_state(lambda h: h["ready"], what="readiness")
+    return SimpleNamespace(llama=llama_agent, qwen=qwen_agent, engine=engine)
+
+
+def reference_tokens(model_dir: str, tokens: list[int], max_tokens: int) -> list[int]:
+    model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
+    assert attachment.source == "disk"
+    return model.generate(tokens, max_tokens)
+
+
+def test_engine_attaches_and_generates(cluster, llama_checkpoint):  # noqa: F811
+    status, health = cluster.engine.get("/healthz")
+    assert status == 200
+    assert health["source"] == "agent" and health["role"] == "primary" and health["state"] == "serving"
+    assert health["attach_seconds"] < 1.0
+    assert readyz(cluster.engine) == 200
+    clients = {c["pid"]: c for c in cluster.llama.status()["clients"]}
+    assert clients[cluster.engine.pid]["role"] == "primary"
+
+    status, reply = cluster.engine.generate(PROMPT, 12)
+    assert status == 200, reply
+    assert len(reply["tokens"]) == 12
+    assert reply["tokens"] == reference_tokens(llama_checkpoint, PROMPT, 12)
+
+
+@pytest.mark.parametrize("which", ["llama", "qwen"])
+def test_logits_from_agent_equal_disk_bit_for_bit(cluster, which, llama_checkpoint, qwen2_checkpoint):  # noqa: F811
+    model_dir, agent = (llama_checkpoint, cluster.llama) if which == "llama" else (qwen2_checkpoint, cluster.qwen)
+    spec = CacheSpec(model=model_dir)
+    attached, lease = load_model(spec, mode="client", socket=agent.socket, role="standby", group="bitwise")
+    disk, from_disk = load_model(spec, mode="off")
+    try:
+        assert lease.source == "agent" and from_disk.source == "disk"
+        tokens = torch.tensor([PROMPT + list(range(40, 60))])
+        with torch.inference_mode():
+            a, b = attached(tokens), disk(tokens)
+        assert a.shape == (1, len(PROMPT) + 20, 512)
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b), f"max abs diff {float((a - b).abs().max())}"
+        if which == "qwen":  # biases present, and one Parameter under both tied names
+            assert attached.model.layers[0].self_attn.q_proj.bias is not None
+            assert attached.lm_head.weight is attached.model.embed_tokens.weight
+            assert "lm_head.weight" not in lease.tensors
+    finally:
+        lease.close()
+
+
+BAD_BODIES = [
+    (b'{"tokens": [1, 2.5], "max_tokens": 4}', 400, "integers"),
+    (b'{"tokens": [1, "2"], "max_tokens": 4}', 400, "integers"),
+    (b'{"tokens": [true], "max_tokens": 4}', 400, "integers"),
+    (b'{"tokens": [], "max_tokens": 4}', 400, "empty"),
+    (b'{"tokens": "1 2 3"}', 400, "list"),
+    (b'{"max_tokens": 4}', 400, "list"),
+    (b'{"tokens": [1, 512]}', 400, "vocabulary"),
+    (b'{"tokens": [-1]}', 400, "vocabulary"),
+    (b'{"tokens": [1], "max_tokens": 0}', 400, "max_tokens"),
+    (b'{"tokens": [1], "max_tokens": 100000}', 400, "max_tokens"),
+    (b'{"tokens": [1], "max_tokens": "8"}', 400, "max_tokens"),
+    (b'{"tokens": [1], "temperature": 0.7}', 400, "unknown field"),
+    (b'{"tokens": [1, 2, 3], "max_tokens": 254}', 400, "context limit"),  # max_position_embeddings is 256
+    (b'[1, 2, 3]', 400, "JSON object"),
+    (b'{"tokens": [1, 2', 400, "not valid JSON"),
+    (b'\xff\xfe', 400, "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("body,code,message", BAD_BODIES, ids=[b[2] + str(i) for i, b in enumerate(BAD_BODIES)])
+def test_bad_input_is_refused_with_a_message(cluster, body, code, message):
+    status, reply = cluster.engine.post("/generate", body)
+    assert status == code, reply
+    assert message in reply["error"]
+
+
+def test_engine_keeps_serving_after_bad_requests(cluster):
+    engine = cluster.engine
+    _, first = engine.generate(PROMPT, 6)
+    for body in [b"", b"garbage", b'{"tokens": [1, 2.5]}', b'{"tokens": [' + b"7," * 300 + b"7]}"]:
+        assert 400 <= engine.post("/generate", body)[0] < 500
+    assert http_json("GET", engine.url + "/generate")[0] == 405
+    assert http_json("POST", engine.url + "/healthz", {})[0] == 405
+    assert http_json("GET", engine.url + "/nope")[0] == 404
+
+    # An oversize body and a request without Content-Length, on a raw socket: refused, connection closed.
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 413")
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 411")
+    # A client that connects and vanishes mid-request.
+    with socket.create_connection(("127.0.0.1", engine.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nContent-Length: 50\r\n\r\n{\"tok")
+
+    status, again = engine.generate(PROMPT, 6)
+    assert status == 200 and again["tokens"] == first["tokens"]
+    assert engine.alive()
+
+
+def test_fp8_block_logits_match_in_process_fp8(module_supervisor, llama_checkpoint):  # noqa: F811
+    spec = CacheSpec(model=llama_checkpoint, quantization="fp8-block")
+    try:
+        probe = load_cache(spec, name="weightcache:fp8-probe")
+    except CheckpointError as e:
+        pytest.skip(f"fp8-block loading is not available in this checkout: {e}")
+    probe.arena.close()
+    agent = module_supervisor.start_agent(llama_checkpoint, "fp8", extra=["--quantization", "fp8-block"])
+    agent.wait_ready()
+    attached, lease = load_model(spec, mode="client", socket=agent.socket)
+    disk, _ = load_model(spec, mode="off")
+    try:
+        proj = attached.model.layers[0].self_attn.q_proj
+        assert isinstance(proj, Fp8BlockLinear)
+        assert proj.weight.dtype == torch.float8_e4m3fn and proj.weight_scale_inv.dtype == torch.float32
+        assert "model.layers.0.self_attn.q_proj.weight_scale_inv" in lease.tensors
+        tokens = torch.tensor([PROMPT])
+        with torch.inference_mode():
+            a, b = attached(tokens), disk(tokens)
+            plain, _ = load_model(CacheSpec(model=llama_checkpoint), mode="off")
+            c = plain(tokens)
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, b)
+        # and it is really quantized: close to the bf16 model, not equal to it
+        assert not torch.equal(a, c)
+        assert torch.nn.functional.cosine_similarity(a.flatten(), c.flatten(), dim=0) > 0.95
+    finally:
+        lease.close()
+
+
+def test_off_mode_engine_serves_from_disk_and_stops_cleanly(module_supervisor, llama_checkpoint):  # noqa: F811
+    engine = module_supervisor.start_engine(llama_checkpoint, "off", mode="off")
+    health = engine.wait_state(lambda h: h["ready"], what="readiness")
+    assert health["source"] == "disk" and health["mode"] == "off"
+    status, reply = engine.generate(PROMPT, 5)
+    assert status == 200 and reply["tokens"] == reference_tokens(llama_checkpoint, PROMPT, 5)
+    engine.kill(signal.SIGTERM)
+    assert engine.proc.wait(10) == 0
+    assert "shutting down (served 1 requests)" in engine.log()
+
+
+def test_client_mode_without_agent_fails_with_a_clear_message(module_supervisor, llama_checkpoint):  # noqa: F811
+    engine = module_supervisor.start_engine(llama_checkpoint, "orphan", socket=module_supervisor.run_dir + "/none.sock")
+    assert engine.proc.wait(60) == 1
+    assert "no agent answers at" in engine.log()
