@@ -220,8 +220,14 @@ class Supervisor:
 
     def close(self) -> None:
         # Engines before agents: an engine leaving first is an orderly detach, not a lost agent.
-        for child in sorted(self.children, key=lambda c: isinstance(c, AgentChild)):
-            child.stop()
+        # Signal a whole tier at once, then reap it: stopping in parallel, not one by one.
+        engines = [c for c in self.children if not isinstance(c, AgentChild)]
+        agents = [c for c in self.children if isinstance(c, AgentChild)]
+        for tier in (engines, agents):
+            for child in tier:
+                child.kill(signal.SIGTERM)
+            for child in tier:
+                child.stop()
         for child in self.children:
             if isinstance(child, AgentChild):  # a SIGKILLed agent leaves its socket and lock file
                 lock = os.path.join(os.path.dirname(child.socket), "." + os.path.basename(child.socket) + ".lock")

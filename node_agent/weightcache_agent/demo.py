@@ -1,0 +1,380 @@
+"""`weightcache demo`: the whole product on one machine, in one command, in under a minute.
+
+Flow: make (once, cached) a deterministic Llama-shaped checkpoint; time a plain disk load
+in this process (what every engine restart pays today); start an agent (its cold load,
+with a progress bar fed by its status), then a primary and a standby engine that attach
+to it (milliseconds); send a request; SIGKILL the primary and time until the standby
+answers; print a summary. Every child runs under a `Supervisor`, so whatever happens --
+success, an error, Ctrl-C, SIGTERM -- the children are stopped and the sockets removed
+before the demo exits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import WeightCacheError
+
+log = logging.getLogger("weightcache.demo")
+
+GROUP = "demo"
+PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]  # ids only: the demo model has no tokenizer
+NEW_TOKENS = 12
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    description: str
+    shape: dict[str, int]
+
+
+SIZES = {
+    # for tests and a first look: loads in milliseconds, so timings mean little
+    "small": DemoSize("tiny, for tests", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, vocab_size=32000)),
+    # the default: big enough that a disk load is visibly slower than an attach
+    "medium": DemoSize("default", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                                       num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)),
+    "large": DemoSize("1.3B parameters, several GB", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
+                                                          num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)),
+}
+
+
+class Interrupted(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+# -- output --------------------------------------------------------------------------------------
+
+
+class Console:
+    """Step lines for people (bold when stdout is a terminal), or nothing but JSON with --json."""
+
+    def __init__(self, quiet: bool):
+        self.quiet = quiet
+        self.color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
+        self.bars = sys.stderr.isatty() and not quiet
+
+    def style(self, text: str, code: str) -> str:
+        return f"\033[{code}m{text}\033[0m" if self.color else text
+
+    def say(self, text: str = "") -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    def step(self, n: int, total: int, text: str) -> None:
+        self.say(self.style(f"[{n}/{total}] ", "1;36") + self.style(text, "1"))
+
+    def detail(self, text: str) -> None:
+        self.say("      " + text)
+
+
+def fmt_seconds(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+# -- the checkpoint ----------------------------------------------------------------------------
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "weightcache", "demo")
+
+
+def ensure_checkpoint(cache_dir: str, size: str, console: Console) -> tuple[str, bool]:
+    """The demo checkpoint for `size`, written once (atomically) and reused. Returns (dir, created)."""
+    from .synthetic import LlamaShape, write_llama_checkpoint  # imports torch
+
+    shape = LlamaShape(**SIZES[size].shape, max_position_embeddings=2048)
+    target = os.path.join(cache_dir, f"llama-{size}")
+    marker = os.path.join(target, ".weightcache-demo.json")
+    identity = {"shape": shape.config(_bf16()), "seed": 0, "version": 1}
+    try:
+        with open(marker) as f:
+            if json.load(f) == identity:
+                return target, False
+    except (OSError, ValueError):
+        pass
+    os.makedirs(cache_dir, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".llama-{size}-", dir=cache_dir)
+    try:
+        console.detail(f"creating the demo checkpoint once (deterministic random weights) in {target}")
+        started = time.perf_counter()
+        write_llama_checkpoint(staging, shape, seed=0, shards=2)
+        with open(os.path.join(staging, ".weightcache-demo.json"), "w") as f:
+            json.dump(identity, f)
+        if os.path.exists(target):  # a stale or different version: replace it
+            import shutil
+
+            shutil.rmtree(target)
+        os.rename(staging, target)
+        console.detail(f"written in {fmt_seconds(time.perf_counter() - started)}")
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target, True
+
+
+def _bf16() -> Any:
+    import torch
+
+    return torch.bfloat16
+
+
+def drop_page_cache(directory: str) -> bool:
+    """Ask the kernel to forget the checkpoint's pages so the next read comes from the disk.
+
+    Works without privileges for clean pages of files we can open; on tmpfs or overlay
+    storage it may do nothing, which only makes the disk numbers look better.
+    """
+    dropped = True
+    for name in os.listdir(directory):
+        if not name.endswith(".safetensors"):
+            continue
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)  # dirty pages cannot be dropped
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            dropped = False
+        finally:
+            os.close(fd)
+    return dropped
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def _progress_bar(console: Console, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="      agent loading", file=sys.stderr,
+                disable=not console.bars, leave=False, bar_format="{desc} {bar} {n_fmt}/{total_fmt} {rate_fmt}")
+
+
+def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
+    from .supervise import Supervisor
+
+    steps = 6
+    console.say(console.style("weightcache demo", "1") + " - weights loaded once, attached in milliseconds, "
+                "a hot standby that takes over when the primary dies")
+    console.say()
+    console.step(1, steps, "checkpoint")
+    model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(model_dir)
+    nbytes = checkpoint.nbytes
+    config = json.load(open(os.path.join(model_dir, "config.json")))
+    console.detail(f"{model_dir}{'' if created else '  (cached)'}")
+    console.detail(f"Llama, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
+                   f"{fmt_bytes(nbytes)} of bf16 in {len(checkpoint.tensors)} tensors")
+
+    console.step(2, steps, "disk load in this process (what every engine restart pays without weightcache)")
+    cold = drop_page_cache(model_dir)
+    from .engine import load_model
+    from .spec import CacheSpec
+
+    model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
+    disk_seconds = attachment.seconds
+    reference = model.generate(PROMPT[: _prompt_len(config)], NEW_TOKENS)
+    attachment.close()
+    del model, attachment
+    console.detail(f"{fmt_seconds(disk_seconds)}  ({fmt_bytes(nbytes / disk_seconds)}/s"
+                   f"{', page cache dropped first' if cold else ''})")
+
+    summary: dict[str, Any] = {"model": model_dir, "bytes": nbytes, "disk_load_seconds": disk_seconds,
+                               "run_dir": args.run_dir, "pids": {}}
+    with Supervisor(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
+        console.step(3, steps, "agent: cold load into shared memory (once per node)")
+        drop_page_cache(model_dir)
+        agent = sup.start_agent(model_dir)
+        summary["pids"]["agent"] = agent.pid
+        console.detail(f"agent pid {agent.pid}, socket {agent.socket}")
+        bar = _progress_bar(console, nbytes)
+        try:
+            status = agent.wait_ready(timeout=args.timeout, on_status=lambda s: bar.update(s["progress"]["bytes_done"] - bar.n))
+        finally:
+            bar.close()
+        summary["agent_load_seconds"] = status["load_seconds"]
+        summary["backend"] = status["backend"]
+        console.detail(f"{fmt_seconds(status['load_seconds'])}  ({fmt_bytes(status['bytes'])} resident, backend "
+                       f"{status['backend']}{_gpu_note(status['backend'])})")
+
+        console.step(4, steps, "primary and standby engines attach to the same weights")
+        primary = sup.start_engine(model_dir, "primary", socket=agent.socket, group=GROUP, role="primary")
+        standby = sup.start_engine(model_dir, "standby", socket=agent.socket, group=GROUP, role="standby")
+        summary["pids"].update(primary=primary.pid, standby=standby.pid)
+        console.detail(f"primary pid {primary.pid}, standby pid {standby.pid} (group {GROUP!r})")
+        p_health = primary.wait_state(lambda h: h["ready"], timeout=args.timeout, what="readiness")
+        s_health = standby.wait_serving(timeout=args.timeout)
+        summary["attach_seconds"] = {"primary": p_health["attach_seconds"], "standby": s_health["attach_seconds"]}
+        console.detail(f"primary attached in {fmt_seconds(p_health['attach_seconds'])} and is ready on {primary.url}")
+        console.detail(f"standby attached in {fmt_seconds(s_health['attach_seconds'])}, warm, /readyz 503 until promoted")
+        console.detail("both map the agent's memory read-only: one copy of the weights, not three")
+
+        console.step(5, steps, "a request to the primary")
+        prompt = PROMPT[: _prompt_len(config)]
+        t0 = time.perf_counter()
+        code, reply = primary.generate(prompt, NEW_TOKENS)
+        if code != 200:
+            raise WeightCacheError(f"the primary answered {code}: {reply.get('error')}")
+        summary["request_seconds"] = time.perf_counter() - t0
+        same = reply["tokens"] == reference
+        console.detail(f"POST /generate {{tokens: {prompt}, max_tokens: {NEW_TOKENS}}}")
+        console.detail(f"-> {reply['tokens']}  in {fmt_seconds(summary['request_seconds'])}")
+        console.detail("same tokens as the model loaded from disk in step 2" if same else
+                       console.style("DIFFERENT tokens from the model loaded from disk in step 2", "1;31"))
+        summary["same_tokens"] = same
+
+        console.step(6, steps, f"SIGKILL the primary (pid {primary.pid}); the agent promotes the standby")
+        failover = _failover(primary, standby, prompt, args.timeout)
+        summary["failover_seconds"] = failover
+        code, again = standby.generate(prompt, NEW_TOKENS)
+        summary["failover_same_tokens"] = code == 200 and again["tokens"] == reply["tokens"]
+        roles = {c["pid"]: c["role"] for c in agent.status()["clients"]}
+        console.detail(f"the standby answered {fmt_seconds(failover)} after the kill; agent now lists pid {standby.pid} "
+                       f"as {roles.get(standby.pid, '?')}")
+        console.detail("the same request to the new primary gives the same tokens" if summary["failover_same_tokens"]
+                       else console.style(f"the new primary answered differently: {code} {again}", "1;31"))
+        summary["promoted_role"] = roles.get(standby.pid)
+
+        console.say()
+        _print_summary(console, summary)
+        console.say()
+        console.say("stopping the standby and the agent ...")
+    console.say("done: no process or socket left behind.")
+    return summary
+
+
+def _prompt_len(config: dict[str, Any]) -> int:
+    return sum(1 for t in PROMPT if t < config["vocab_size"])
+
+
+def _failover(primary: Any, standby: Any, prompt: list[int], timeout: float) -> float:
+    """Seconds from SIGKILL of the primary to the standby's first successful (1-token) answer."""
+    primary.kill(signal.SIGKILL)
+    killed = time.perf_counter()
+    while True:
+        try:
+            code, reply = standby.generate(prompt, 1)
+        except OSError:
+            code, reply = 0, {}
+        if code == 200:
+            return time.perf_counter() - killed
+        if time.perf_counter() - killed > timeout:
+            raise WeightCacheError(f"the standby did not take over within {timeout:.0f}s (last answer {code}: {reply})")
+        standby.check_alive()
+        time.sleep(0.001)
+
+
+def _gpu_note(backend: str) -> str:
+    try:
+        import torch
+
+        if backend == "cpu" and torch.cuda.is_available():
+            return "; a GPU is present but this build serves the cpu backend"
+    except Exception:
+        pass
+    return ""
+
+
+def _print_summary(console: Console, s: dict[str, Any]) -> None:
+    disk = s["disk_load_seconds"]
+    rows = [
+        ("disk load, in-process", fmt_seconds(disk), "every restart, without weightcache"),
+        ("agent cold load", fmt_seconds(s["agent_load_seconds"]), "once per node"),
+        ("attach, primary", fmt_seconds(s["attach_seconds"]["primary"]),
+         f"{disk / max(s['attach_seconds']['primary'], 1e-9):,.0f}x faster than the disk load"),
+        ("attach, standby", fmt_seconds(s["attach_seconds"]["standby"]), "same weights, no extra memory"),
+        ("request", fmt_seconds(s["request_seconds"]), f"{NEW_TOKENS} tokens, greedy"),
+        ("failover", fmt_seconds(s["failover_seconds"]), "SIGKILL of the primary -> first answer from the standby"),
+    ]
+    w0, w1 = max(len(r[0]) for r in rows), max(len(r[1]) for r in rows)
+    console.say(console.style(f"{'step':<{w0}}  {'time':>{w1}}  note", "1"))
+    console.say("-" * (w0 + w1 + 4 + max(len(r[2]) for r in rows)))
+    for name, value, note in rows:
+        console.say(f"{name:<{w0}}  {value:>{w1}}  {note}")
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="weightcache demo",
+                                description="Load a model once, attach two engines in milliseconds, kill the primary, "
+                                            "watch the standby take over. No GPU or cluster needed.")
+    p.add_argument("--size", choices=tuple(SIZES), default="medium",
+                   help="demo model size: " + ", ".join(f"{k} ({v.description})" for k, v in SIZES.items()))
+    p.add_argument("--dir", help=f"where the demo checkpoint is cached (default: {default_cache_dir()})")
+    p.add_argument("--run-dir", help="sockets and logs of this run (default: a fresh temporary directory, removed at exit)")
+    p.add_argument("--keep-run-dir", action="store_true", help="keep the run directory (logs) after exit")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one step")
+    p.add_argument("--json", action="store_true", help="print only a JSON summary on stdout")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console(quiet=args.json)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    created_run_dir = args.run_dir is None
+    # Only a directory the demo made is removed whole; in one given with --run-dir, only sockets go.
+    args.remove_run_dir = created_run_dir and not args.keep_run_dir
+    args.run_dir = args.run_dir or tempfile.mkdtemp(prefix="weightcache-demo-")
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        # Ignore further signals while the Supervisor's cleanup runs, then unwind through it.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, interrupt)
+    try:
+        summary = run(args, console)
+    except Interrupted as e:
+        print(f"\nweightcache demo: {e} received; stopped every process and removed the sockets.", file=sys.stderr)
+        return 128 + e.signum
+    except WeightCacheError as e:
+        print(f"weightcache demo: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        from .supervise import ChildFailed
+
+        if isinstance(e, ChildFailed):
+            print(f"weightcache demo: {e}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if args.remove_run_dir:
+            import shutil
+
+            shutil.rmtree(args.run_dir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(summary))
+    return 0 if summary["same_tokens"] and summary["failover_same_tokens"] else 1
+
