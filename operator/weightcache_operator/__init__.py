@@ -1,0 +1,25 @@
+"""The weightcache Kubernetes operator (kopf).
+
+Turns `WeightCache` custom resources into DaemonSets of node agents and rolls the
+agents' per-node state back into the resources' status. Module map (data flows
+top to bottom):
+
+- ``config``     operator-wide settings (agent image, priority class, model root, ...)
+                 from flags and environment, set once by the chart;
+- ``spec``       a WeightCache's spec -> a validated, normalized ``CacheSpec``
+                 (the same rules as the CRD's schema and CEL, re-checked here);
+- ``manifests``  pure builders: ``CacheSpec`` -> DaemonSet / ConfigMap dicts;
+- ``kube``       the few Kubernetes API calls (create-or-patch, list pods) and login;
+- ``agents``     reads each agent pod's ``/status`` over HTTP;
+- ``rollup``     per-node agent states -> bounded status summary;
+- ``conditions`` Ready / Loading / Degraded conditions and their transitions;
+- ``handlers``   the kopf handlers that tie these together;
+- ``cli``        ``weightcache operator`` entry point.
+
+Nothing here imports torch: the operator never touches weights.
+"""
+
+API_GROUP = "weightcache.io"
+API_VERSION = "v1alpha1"
+PLURAL = "weightcaches"
+KIND = "WeightCache"

@@ -1,0 +1,78 @@
+"""``weightcache operator``: run the kopf operator against the current cluster.
+
+Credentials: in a pod, the service account (unless --kubeconfig is given); outside,
+the kubeconfig from --kubeconfig or $KUBECONFIG. Scope: one or more namespaces
+(--namespace, repeatable; the chart's watchNamespaces) or the whole cluster
+(--all-namespaces, the default). The operator runs standalone (no kopf peering):
+the chart deploys exactly one replica with the Recreate strategy, so two operators
+never handle the same object, and no peering CRD or RBAC is needed.
+
+Agent settings (image, priority class, model root, ...) come from WEIGHTCACHE_*
+environment variables (see ``config.OperatorConfig.from_env``); the flags below
+override them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import OperatorConfig
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="weightcache operator", description=__doc__.splitlines()[0])
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
+                       metavar="NS", help="watch this namespace (repeatable; globs allowed)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
+    parser.add_argument("--context", help="kubeconfig context")
+    parser.add_argument("--agent-image", help="default agent image (env WEIGHTCACHE_AGENT_IMAGE)")
+    parser.add_argument("--priority-class", help="agent pods' priority class, '' for none (env WEIGHTCACHE_PRIORITY_CLASS)")
+    parser.add_argument("--model-root", help="host directory with the models (env WEIGHTCACHE_MODEL_ROOT)")
+    parser.add_argument("--poll-interval", type=float, help="seconds between agent polls (env WEIGHTCACHE_POLL_INTERVAL)")
+    parser.add_argument("--liveness", metavar="URL", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> OperatorConfig:
+    config = OperatorConfig.from_env(environ)
+    overrides = {
+        "agent_image": args.agent_image,
+        "priority_class": args.priority_class,
+        "model_root": args.model_root,
+        "poll_interval": args.poll_interval,
+    }
+    return config.replace(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"weightcache operator: {e}", file=sys.stderr)
+        return 2
+
+    # kopf and the kubernetes client are imported only here: the rest of the
+    # `weightcache` command does not need them installed.
+    import kopf
+
+    from .handlers import build_registry, build_settings
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    registry, _ = build_registry(config, kubeconfig=args.kubeconfig, context=args.context)
+    kopf.run(
+        registry=registry,
+        settings=build_settings(),
+        standalone=True,
+        clusterwide=not args.namespaces,
+        namespaces=args.namespaces,
+        liveness_endpoint=args.liveness,
+    )
+    return 0

@@ -1,0 +1,110 @@
+"""Operator-wide settings: what every rendered agent DaemonSet shares.
+
+A WeightCache says *what* to load; how agents run on this cluster (which image by
+default, which priority class, where the host keeps models, whether agents are
+privileged) is the cluster admin's choice, made once in the Helm chart's values.
+The chart passes those values to the operator container as environment variables;
+`weightcache operator` flags override them. ``OperatorConfig.from_env`` is the only
+place that reads the environment, so tests build an ``OperatorConfig`` directly.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+# Defaults match the chart's values.yaml; a test checks that they agree.
+DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
+DEFAULT_PRIORITY_CLASS = "system-node-critical"
+DEFAULT_MODEL_ROOT = "/models"
+# The socket root is part of the contract with engine pods (they mount
+# <socket root>/<namespace>/<name>), so it is a constant, not a value.
+SOCKET_ROOT = "/run/weightcache"
+AGENT_HTTP_PORT = 9464
+
+ENV_PREFIX = "WEIGHTCACHE_"
+
+
+def _env_bool(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OperatorConfig:
+    """Everything the operator needs besides the WeightCache itself."""
+
+    agent_image: str = DEFAULT_AGENT_IMAGE
+    agent_image_pull_policy: str = "IfNotPresent"
+    # Image pull secrets (names in the WeightCache's namespace) for the agent pods.
+    agent_image_pull_secrets: tuple[str, ...] = ()
+    # The agent maps GPU memory of every GPU and hands out VMM handles; it runs
+    # privileged by default. An admin can turn that off where the runtime already
+    # exposes the GPUs (e.g. CDI) and the agent needs no extra device access.
+    agent_privileged: bool = True
+    # Agents hold the weights engines serve from: evicting one costs minutes of
+    # reload, so they run at node-critical priority. Empty means no priority class.
+    priority_class: str = DEFAULT_PRIORITY_CLASS
+    # RuntimeClass for the agent pods (e.g. "nvidia" where the NVIDIA runtime is not
+    # the node's default). Empty means the node's default runtime.
+    runtime_class: str = ""
+    # Host directory with the models; mounted read-only into the agents.
+    model_root: str = DEFAULT_MODEL_ROOT
+    # How often each WeightCache's agents are polled for their state (seconds).
+    poll_interval: float = 15.0
+    # Per-request timeout when reading an agent's /status (seconds).
+    agent_http_timeout: float = 3.0
+    # Upper bound of per-node entries written into .status.nodes (the CRD's maxItems).
+    max_node_entries: int = 32
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
+        """Read ``WEIGHTCACHE_*`` variables (as the chart sets them); unset ones keep defaults."""
+        env = os.environ if environ is None else environ
+        kwargs: dict[str, object] = {}
+
+        def get(name: str) -> str | None:
+            return env.get(ENV_PREFIX + name)
+
+        if (v := get("AGENT_IMAGE")):
+            kwargs["agent_image"] = v
+        if (v := get("AGENT_IMAGE_PULL_POLICY")):
+            kwargs["agent_image_pull_policy"] = v
+        if (v := get("AGENT_IMAGE_PULL_SECRETS")) is not None:
+            kwargs["agent_image_pull_secrets"] = tuple(s.strip() for s in v.split(",") if s.strip())
+        if (v := get("AGENT_PRIVILEGED")) is not None:
+            kwargs["agent_privileged"] = _env_bool(v)
+        if (v := get("PRIORITY_CLASS")) is not None:
+            kwargs["priority_class"] = v.strip()
+        if (v := get("RUNTIME_CLASS")) is not None:
+            kwargs["runtime_class"] = v.strip()
+        if (v := get("MODEL_ROOT")):
+            kwargs["model_root"] = v
+        if (v := get("POLL_INTERVAL")):
+            kwargs["poll_interval"] = float(v)
+        if (v := get("AGENT_HTTP_TIMEOUT")):
+            kwargs["agent_http_timeout"] = float(v)
+        return cls(**kwargs).checked()
+
+    def checked(self) -> "OperatorConfig":
+        """Fail at start-up, not at the first WeightCache, on settings that cannot work."""
+        if not self.agent_image:
+            raise ValueError("agent image must not be empty")
+        if self.agent_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            raise ValueError(f"bad image pull policy: {self.agent_image_pull_policy!r}")
+        if not self.model_root.startswith("/"):
+            raise ValueError(f"model root must be an absolute host path: {self.model_root!r}")
+        if not (0.5 <= self.poll_interval <= 3600):
+            raise ValueError(f"poll interval out of range (0.5..3600 s): {self.poll_interval}")
+        if not (0.1 <= self.agent_http_timeout <= 60):
+            raise ValueError(f"agent HTTP timeout out of range (0.1..60 s): {self.agent_http_timeout}")
+        if not (1 <= self.max_node_entries <= 32):
+            raise ValueError("max node entries must be within the CRD's bound (1..32)")
+        return self
+
+    def replace(self, **changes: object) -> "OperatorConfig":
+        return dataclasses.replace(self, **changes).checked()  # type: ignore[arg-type]

@@ -1,0 +1,307 @@
+"""kopf handlers: one level-based reconcile per WeightCache, run on every trigger.
+
+Triggers: the object appears (create), the operator starts and finds it (resume),
+its spec changes (update), and a timer every ``poll_interval`` seconds. All of them
+run the same ``Reconciler.reconcile``, which does not care why it runs:
+
+1. parse the spec (``spec.parse_spec``); an invalid one sets Degraded + an Event and
+   leaves the running agents alone (no exception, so no retry storm, and other
+   WeightCaches are not affected);
+2. render the DaemonSet (and ConfigMap for sharding rules) and create-or-patch them,
+   owned by the WeightCache (controller reference; owner-reference garbage
+   collection deletes them with it, so no finalizer is needed for cleanup); an
+   unchanged spec hash means no write at all;
+3. list the agent pods, ask each for ``/status``, roll the answers up;
+4. compute the conditions, patch the status subresource only if something changed,
+   and post an Event for each condition that changed status or reason.
+
+Restarting the operator at any moment converges to the same state: nothing is
+remembered between runs that is not in the API (the spec hash lives on the
+DaemonSet, the conditions on the WeightCache).
+
+Finalizer: the only one is kopf's own (``weightcache.io/operator``), which kopf puts
+on every object that has a timer so that it can stop the object's timer before the
+object goes; without it a timer would outlive its object (kopf stops timers only
+on a deletion timestamp) and keep polling and re-creating children. There is no
+deletion handler: the DaemonSet and ConfigMap go through owner-reference garbage
+collection. Consequence: while no operator runs, deleting a WeightCache waits for
+the operator to come back (or for someone to remove the finalizer); the chart's
+notes say to delete WeightCaches before uninstalling the operator.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import API_GROUP, API_VERSION, PLURAL
+from .agents import fetch_all, select_agent_pods
+from .conditions import Desired, merge, transitions
+from .config import AGENT_HTTP_PORT, OperatorConfig
+from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
+from .manifests import (
+    ANNOTATION_SPEC_HASH,
+    daemonset_name,
+    render_daemonset,
+    render_sharding_configmap,
+    selector_labels,
+    socket_dir,
+)
+from .rollup import agent_conditions, daemonset_rollout, spec_conditions, summarize
+from .spec import SpecError, parse_spec
+
+# Status keys this operator owns (anything else in .status is left alone).
+STATUS_KEYS = (
+    "observedGeneration", "daemonSet", "model", "socketDir", "desiredNodes", "readyNodes",
+    "nodeCounts", "nodesOmitted", "nodes", "conditions",
+)
+
+
+class OwnershipConflict(Exception):
+    """A child object with our name exists but is not controlled by this WeightCache."""
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _controlled_by(obj: Mapping[str, Any], owner_uid: str | None) -> bool:
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return owner_uid is not None and ref.get("uid") == owner_uid
+    return False
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """Only the owned status keys that differ; keys we no longer set become null."""
+    patch: dict[str, Any] = {}
+    for key in STATUS_KEYS:
+        if key in new:
+            if old.get(key) != new[key]:
+                patch[key] = new[key]
+        elif key in old:
+            patch[key] = None
+    return patch
+
+
+class Reconciler:
+    """Holds the operator settings and the API client; one instance per operator run."""
+
+    def __init__(self, config: OperatorConfig, api: KubeApi | None = None) -> None:
+        self.config = config
+        self.api = api
+
+    # --- children -------------------------------------------------------------------
+
+    def _ensure(self, kind: str, desired: dict[str, Any], owner_uid: str | None) -> tuple[dict[str, Any], str]:
+        """Create-or-patch one child; returns (live object, "created" | "patched" | "unchanged")."""
+        assert self.api is not None
+        ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        get, create, patch = {
+            "DaemonSet": (self.api.get_daemonset, self.api.create_daemonset, self.api.patch_daemonset),
+            "ConfigMap": (self.api.get_configmap, self.api.create_configmap, self.api.patch_configmap),
+        }[kind]
+        current = get(ns, name)
+        if current is None:
+            try:
+                return create(desired), "created"
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                current = get(ns, name)  # created concurrently (another trigger): adopt the patch path
+                if current is None:
+                    raise
+        if not _controlled_by(current, owner_uid):
+            raise OwnershipConflict(
+                f"{kind} {name} already exists and is not controlled by this WeightCache; "
+                "rename or delete it")
+
+        meta = current.get("metadata") or {}
+        if kind == "DaemonSet":
+            if (meta.get("annotations") or {}).get(ANNOTATION_SPEC_HASH) == desired["metadata"]["annotations"][ANNOTATION_SPEC_HASH]:
+                return current, "unchanged"
+            body: dict[str, Any] = {
+                "metadata": {
+                    "labels": desired["metadata"]["labels"],
+                    "annotations": desired["metadata"]["annotations"],
+                },
+                # The selector is immutable and never changes for a given name.
+                "spec": merge_patch_for(
+                    {k: v for k, v in (current.get("spec") or {}).items() if k != "selector"},
+                    {k: v for k, v in desired["spec"].items() if k != "selector"},
+                ),
+            }
+        else:
+            if current.get("data") == desired["data"]:
+                return current, "unchanged"
+            body = {"metadata": {"labels": desired["metadata"]["labels"]}, "data": merge_patch_for(current.get("data") or {}, desired["data"])}
+        # Optimistic concurrency: a write by someone else since our read makes this
+        # patch fail with 409 instead of silently overwriting it.
+        if meta.get("resourceVersion"):
+            body["metadata"]["resourceVersion"] = meta["resourceVersion"]
+        return patch(ns, name, body), "patched"
+
+    # --- the reconcile ----------------------------------------------------------------
+
+    async def reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | kopf.Logger) -> None:
+        # One reconcile at a time per object: the timer and a spec-change handler
+        # may fire together, and they must not interleave their reads and writes.
+        lock = memo.setdefault("lock", asyncio.Lock())
+        async with lock:
+            await self._reconcile(body, memo, logger)
+
+    async def _reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: Any) -> None:
+        if self.api is None:
+            raise kopf.TemporaryError("API client not ready (login pending)", delay=1)
+        meta = body.get("metadata") or {}
+        namespace, name = meta["namespace"], meta["name"]
+        uid, generation = meta.get("uid"), meta.get("generation")
+        # Our last successful status write wins over a watch event that has not caught up.
+        old_status = {**_plain(body.get("status") or {}), **memo.get("written", {})}
+        new_status: dict[str, Any] = {k: old_status[k] for k in STATUS_KEYS if k in old_status}
+        if generation is not None:
+            new_status["observedGeneration"] = generation
+        new_status["socketDir"] = socket_dir(namespace, name)
+
+        try:
+            cs = parse_spec(_plain(body.get("spec") or {}))
+        except SpecError as e:
+            logger.warning(f"invalid spec, agents left unchanged: {e.message}")
+            desired = spec_conditions(e.reason, e.message)
+        else:
+            new_status["model"] = cs.model_display
+            new_status["daemonSet"] = daemonset_name(name)
+            ds = render_daemonset(cs, namespace, name, self.config)
+            cm = render_sharding_configmap(cs, namespace, name)
+            children = [o for o in (cm, ds) if o is not None]  # ConfigMap first: the pods mount it
+            kopf.append_owner_reference(children, owner=body)
+            try:
+                live_ds = None
+                for child in children:
+                    live, action = await asyncio.to_thread(self._ensure, child["kind"], child, uid)
+                    if action != "unchanged":
+                        logger.info(f"{action} {child['kind']} {child['metadata']['name']}")
+                        # kopf.event, not kopf.info: explicit events ignore the posting level.
+                        kopf.event(body, type="Normal", reason=f"{child['kind']}{action.capitalize()}",
+                                   message=f"{action} {child['kind']} {child['metadata']['name']}")
+                    if child["kind"] == "DaemonSet":
+                        live_ds = live
+            except OwnershipConflict as e:
+                desired = spec_conditions("OwnershipConflict", str(e))
+            else:
+                desired = await self._agent_conditions(namespace, name, live_ds, new_status)
+
+        new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
+        await self._write_status(body, memo, old_status, new_status, logger)
+
+    async def _agent_conditions(
+        self, namespace: str, name: str, live_ds: dict[str, Any] | None, new_status: dict[str, Any]
+    ) -> list[Desired]:
+        assert self.api is not None
+        raw_pods = await asyncio.to_thread(self.api.list_pods, namespace, selector_labels(name))
+        pods = select_agent_pods(raw_pods, selector_labels(name), AGENT_HTTP_PORT)
+        answers = await fetch_all(pods, timeout=self.config.agent_http_timeout)
+        rollout = daemonset_rollout(live_ds)
+        summary = summarize(pods, answers, rollout.desired, self.config.max_node_entries)
+        new_status.update(summary)
+        return agent_conditions(summary, rollout)
+
+    async def _write_status(
+        self, body: kopf.Body, memo: kopf.Memo, old: dict[str, Any], new: dict[str, Any], logger: Any
+    ) -> None:
+        assert self.api is not None
+        patch = status_patch(old, new)
+        if not patch:
+            return  # nothing changed: no write, no event
+        meta = body["metadata"]
+        await asyncio.to_thread(self.api.patch_cache_status, meta["namespace"], meta["name"], patch)
+        memo["written"] = {k: v for k, v in new.items() if k in STATUS_KEYS}
+        for t in transitions(old.get("conditions"), new["conditions"]):
+            kopf.event(
+                body,
+                type="Warning" if t.warning else "Normal",
+                reason=t.reason,
+                message=f"{t.type}={t.status}: {t.message}"[:1024],
+            )
+            logger.info(f"condition {t.type} {t.old_status} -> {t.status} ({t.reason}): {t.message}")
+
+
+def build_settings(settings: kopf.OperatorSettings | None = None) -> kopf.OperatorSettings:
+    """kopf settings for this operator (also used by the tests' KopfRunner)."""
+    settings = settings or kopf.OperatorSettings()
+    # kopf's own bookkeeping goes into annotations under our group, never into
+    # .status (the CRD's structural schema would prune unknown status fields).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{API_GROUP}/operator"
+    # Our own Events are explicit (condition transitions, child writes); kopf's log
+    # lines become Events only when they are warnings or errors.
+    settings.posting.level = logging.WARNING
+    # One replica (Deployment strategy Recreate): no peering objects, no RBAC for them.
+    settings.peering.standalone = True
+    settings.peering.mandatory = False
+    # Watches that silently stall behind load balancers are restarted.
+    settings.watching.server_timeout = 600
+    settings.watching.client_timeout = 660
+    return settings
+
+
+def build_registry(
+    config: OperatorConfig,
+    *,
+    kubeconfig: str | None = None,
+    context: str | None = None,
+) -> tuple[kopf.OperatorRegistry, Reconciler]:
+    """All handlers of the operator, on a fresh registry (no module-level state)."""
+    registry = kopf.OperatorRegistry()
+    reconciler = Reconciler(config)
+    resource = (API_GROUP, API_VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
+        cfg = load_client_configuration(kubeconfig, context)
+        old, reconciler.api = reconciler.api, KubeApi(cfg)
+        if old is not None:
+            old.close()
+        logger.info(f"logged in to {cfg.host}")
+        return connection_info(cfg, trust_env=settings.networking.trust_env)
+
+    @kopf.on.cleanup(registry=registry)
+    def cleanup(**_: Any) -> None:
+        if reconciler.api is not None:
+            reconciler.api.close()
+
+    async def on_change(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        try:
+            await reconciler.reconcile(body, memo, logger)
+        except ApiException as e:
+            # Conflicts and transient API errors: retry soon from a fresh read.
+            raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=5) from e
+
+    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_change)
+    kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
+    kopf.on.update(*resource, registry=registry, id="reconcile-update", field="spec")(on_change)
+
+    async def poll(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        try:
+            await reconciler.reconcile(body, memo, logger)
+        except ApiException as e:
+            # The next tick retries; a timer error must not stop the timer.
+            logger.warning(f"reconcile failed, retrying in {config.poll_interval}s: API error {e.status}: {e.reason}")
+
+    kopf.timer(
+        *resource, registry=registry, id="poll",
+        interval=config.poll_interval,
+        # create/resume reconcile right away; the first poll can wait a little.
+        initial_delay=min(5.0, config.poll_interval),
+    )(poll)
+    return registry, reconciler

@@ -1,0 +1,291 @@
+"""Pure builders: a validated ``CacheSpec`` -> the Kubernetes objects that serve it.
+
+No I/O and no kopf here: the same inputs give the same dicts, byte for byte, so the
+handlers can hash what they render and skip writes when nothing changed, and tests
+can validate every object against the Kubernetes OpenAPI schemas.
+
+What one WeightCache ``<ns>/<name>`` becomes:
+
+- DaemonSet ``<name>-agent``: one privileged agent per selected GPU node running
+  ``weightcache agent ...`` (the agent's command-line contract, see ``agent_args``),
+  all GPUs visible, the socket directory ``/run/weightcache/<ns>/<name>`` from the
+  host (engine pods on the node mount the same directory to attach), the model root
+  (host path) or the PVC mounted read-only at ``/models``;
+- ConfigMap ``<name>-sharding``, only when the spec has explicit sharding rules,
+  mounted as ``/etc/weightcache/sharding.yaml``.
+
+Owner references are added by the handlers (they need the live owner's uid).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import yaml
+
+from .config import AGENT_HTTP_PORT, SOCKET_ROOT, OperatorConfig
+from .spec import CacheSpec
+
+LABEL_CACHE = "weightcache.io/cache"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+AGENT_APP = "weightcache-agent"
+MANAGED_BY = "weightcache-operator"
+
+# Hash of everything rendered into the DaemonSet; equal hash = nothing to write.
+ANNOTATION_SPEC_HASH = "weightcache.io/spec-hash"
+# Hash of the sharding rules, on the pod template: a rules change must roll the pods
+# even though the pods only reference the ConfigMap by name.
+ANNOTATION_SHARDING_HASH = "weightcache.io/sharding-hash"
+
+MODEL_MOUNT = "/models"
+SHARDING_DIR = "/etc/weightcache"
+SHARDING_FILE = "sharding.yaml"
+AGENT_CONTAINER = "agent"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+# Label published by NVIDIA GPU feature discovery: number of GPUs on the node.
+GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+
+
+def daemonset_name(name: str) -> str:
+    return f"{name}-agent"
+
+
+def configmap_name(name: str) -> str:
+    return f"{name}-sharding"
+
+
+def socket_dir(namespace: str, name: str) -> str:
+    """Host (and container) directory with the agent's per-GPU sockets."""
+    return f"{SOCKET_ROOT}/{namespace}/{name}"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """The DaemonSet's selector. Immutable once created: never add to it."""
+    return {LABEL_NAME: AGENT_APP, LABEL_CACHE: name}
+
+
+def agent_labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        LABEL_INSTANCE: name,
+        LABEL_COMPONENT: "node-agent",
+        LABEL_MANAGED_BY: MANAGED_BY,
+    }
+
+
+def model_dir(cs: CacheSpec) -> str:
+    """The model directory as the agent sees it inside the container."""
+    if cs.model_path is not None:
+        return f"{MODEL_MOUNT}/{cs.model_path}"
+    return MODEL_MOUNT
+
+
+def agent_args(cs: CacheSpec, namespace: str, name: str) -> list[str]:
+    """Arguments after ``weightcache``: the agent's command-line contract."""
+    args = [
+        "agent",
+        "--model", model_dir(cs),
+        "--socket-dir", socket_dir(namespace, name),
+        "--tp-size", str(cs.tensor),
+        "--devices", "all",
+        "--quantization", cs.quantization,
+        "--dtype", cs.dtype,
+        "--backend", "auto",
+        "--http-port", str(AGENT_HTTP_PORT),
+    ]
+    if cs.revision:
+        args += ["--revision", cs.revision]
+    if cs.sharding_preset:
+        args += ["--sharding", cs.sharding_preset]
+    elif cs.sharding_rules:
+        args += ["--sharding", f"{SHARDING_DIR}/{SHARDING_FILE}"]
+    if cs.expert > 1:
+        args.append("--expert-parallel")
+    return args
+
+
+def sharding_yaml(cs: CacheSpec) -> str:
+    """The rules file the agent reads with ``--sharding <file>``."""
+    return yaml.safe_dump({"rules": [r.as_dict() for r in cs.sharding_rules]}, sort_keys=False)
+
+
+def render_sharding_configmap(cs: CacheSpec, namespace: str, name: str) -> dict[str, Any] | None:
+    """The ConfigMap with explicit sharding rules, or None when the spec has none."""
+    if not cs.sharding_rules:
+        return None
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": configmap_name(name),
+            "namespace": namespace,
+            "labels": agent_labels(name),
+        },
+        "data": {SHARDING_FILE: sharding_yaml(cs)},
+    }
+
+
+def content_hash(obj: Any) -> str:
+    """Stable short hash of a JSON-able object (key order does not matter)."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _tolerations(cs: CacheSpec) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = [dict(GPU_TOLERATION)]
+    for t in cs.tolerations:
+        t = {k: v for k, v in dict(t).items() if v is not None}
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def _probes() -> dict[str, Any]:
+    # /healthz answers as soon as the process serves HTTP, also while loading;
+    # /readyz only once every rank is resident. A cold load can take many minutes,
+    # so readiness never restarts anything (it only marks the pod not ready) and
+    # liveness is on /healthz, gated by a startup probe for a slow first start.
+    http = {"port": "http", "scheme": "HTTP"}
+    return {
+        "startupProbe": {
+            "httpGet": {"path": "/healthz", **http},
+            "periodSeconds": 5,
+            "timeoutSeconds": 5,
+            "failureThreshold": 60,  # up to 5 minutes to open the HTTP port
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/healthz", **http},
+            "periodSeconds": 20,
+            "timeoutSeconds": 10,
+            "failureThreshold": 6,
+        },
+        "readinessProbe": {
+            "httpGet": {"path": "/readyz", **http},
+            "periodSeconds": 10,
+            "timeoutSeconds": 5,
+            "failureThreshold": 3,
+        },
+    }
+
+
+def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorConfig) -> dict[str, Any]:
+    """The agent DaemonSet for one WeightCache, with its spec hash annotation set."""
+    labels = agent_labels(name)
+    sockets = socket_dir(namespace, name)
+
+    volumes: list[dict[str, Any]] = [
+        {"name": "sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}},
+    ]
+    mounts: list[dict[str, Any]] = [{"name": "sockets", "mountPath": sockets}]
+    if cs.model_pvc is not None:
+        volumes.append({
+            "name": "models",
+            "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True},
+        })
+        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    else:
+        # type Directory, not DirectoryOrCreate: a node without the model root must
+        # fail visibly (mount error) rather than get an empty directory created.
+        volumes.append({
+            "name": "models",
+            "hostPath": {"path": config.model_root, "type": "Directory"},
+        })
+        mounts.append({
+            "name": "models",
+            "mountPath": MODEL_MOUNT,
+            "readOnly": True,
+            # Models mounted on the host later (e.g. an NFS share) show up without a restart.
+            "mountPropagation": "HostToContainer",
+        })
+
+    template_annotations: dict[str, str] = {}
+    if cs.sharding_rules:
+        volumes.append({
+            "name": "sharding",
+            "configMap": {"name": configmap_name(name), "items": [{"key": SHARDING_FILE, "path": SHARDING_FILE}]},
+        })
+        mounts.append({"name": "sharding", "mountPath": SHARDING_DIR, "readOnly": True})
+        template_annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
+
+    if config.agent_privileged:
+        security: dict[str, Any] = {"privileged": True}
+    else:
+        security = {"privileged": False, "allowPrivilegeEscalation": False}
+
+    container: dict[str, Any] = {
+        "name": AGENT_CONTAINER,
+        "image": cs.agent_image or config.agent_image,
+        "imagePullPolicy": config.agent_image_pull_policy,
+        "command": ["weightcache"],
+        "args": agent_args(cs, namespace, name),
+        "env": [
+            {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # The agent is not given GPUs through the device plugin (that would take
+            # them away from engines); the NVIDIA runtime exposes all of them.
+            {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
+            {"name": "NVIDIA_DRIVER_CAPABILITIES", "value": "compute,utility"},
+        ],
+        "ports": [{"name": "http", "containerPort": AGENT_HTTP_PORT, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        "securityContext": security,
+        **_probes(),
+    }
+    if cs.agent_resources:
+        container["resources"] = dict(cs.agent_resources)
+
+    pod_spec: dict[str, Any] = {
+        # The agent talks to no Kubernetes API: no token in the pod.
+        "automountServiceAccountToken": False,
+        "containers": [container],
+        "tolerations": _tolerations(cs),
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 30,
+    }
+    if cs.node_selector:
+        pod_spec["nodeSelector"] = dict(cs.node_selector)
+    if cs.gpus_per_node is not None:
+        pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{
+                "key": GPU_COUNT_LABEL, "operator": "Gt", "values": [str(cs.gpus_per_node - 1)],
+            }]}],
+        }}}
+    if config.priority_class:
+        pod_spec["priorityClassName"] = config.priority_class
+    if config.runtime_class:
+        pod_spec["runtimeClassName"] = config.runtime_class
+    if config.agent_image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": s} for s in config.agent_image_pull_secrets]
+
+    template_metadata: dict[str, Any] = {"labels": labels}
+    if template_annotations:
+        template_metadata["annotations"] = template_annotations
+
+    ds: dict[str, Any] = {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {
+            "name": daemonset_name(name),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": {},
+        },
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name)},
+            # One node at a time: a restarting agent reloads its node's weights
+            # (engines already attached keep serving from the memory they map).
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "revisionHistoryLimit": 5,
+            "template": {"metadata": template_metadata, "spec": pod_spec},
+        },
+    }
+    ds["metadata"]["annotations"][ANNOTATION_SPEC_HASH] = daemonset_hash(ds)
+    return ds
+
+
+def daemonset_hash(ds: dict[str, Any]) -> str:
+    """Hash of the parts of a rendered DaemonSet the operator owns (labels and spec)."""
+    return content_hash({"labels": ds["metadata"].get("labels", {}), "spec": ds["spec"]})

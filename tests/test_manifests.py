@@ -1,0 +1,224 @@
+"""Manifest builders: field by field, and against the Kubernetes OpenAPI schemas.
+
+``kubernetes-validate`` checks each rendered object strictly (no unknown fields)
+against the schemas of the oldest supported Kubernetes (1.28) and the newest it ships.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from operator_fixtures import LLAMA_SPEC
+from weightcache_operator.config import OperatorConfig
+from weightcache_operator.kube import merge_patch_for
+from weightcache_operator.manifests import (
+    ANNOTATION_SHARDING_HASH,
+    ANNOTATION_SPEC_HASH,
+    agent_args,
+    render_daemonset,
+    render_sharding_configmap,
+)
+from weightcache_operator.spec import parse_spec
+
+K8S_VERSIONS = ("1.28.0", kubernetes_validate.utils.latest_version())
+CONFIG = OperatorConfig()
+
+RULES_SPEC: dict[str, Any] = {
+    "model": {"pvc": "qwen-weights", "revision": "v1"},
+    "parallelism": {"tensor": 2, "expert": 2},
+    "sharding": {"rules": [{"pattern": r".*\.q_proj\.weight$", "split": "column"},
+                           {"pattern": r".*experts.*", "split": "expert", "dim": 0}]},
+    "nodeSelector": {"pool": "gpu"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                    {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute",
+                     "tolerationSeconds": 60}],
+    "gpusPerNode": 4,
+    "agent": {"image": "registry.local/agent:dev",
+              "resources": {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "64Gi"}}},
+}
+
+
+def render(spec: dict[str, Any], config: OperatorConfig = CONFIG, name: str = "llama") -> dict[str, Any]:
+    return render_daemonset(parse_spec(spec), "ml", name, config)
+
+
+def pod_spec(ds: dict[str, Any]) -> dict[str, Any]:
+    return ds["spec"]["template"]["spec"]
+
+
+def container(ds: dict[str, Any]) -> dict[str, Any]:
+    (c,) = pod_spec(ds)["containers"]
+    return c
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize("spec", [LLAMA_SPEC, RULES_SPEC], ids=["hostpath", "pvc-rules"])
+def test_rendered_objects_validate_against_kubernetes_schemas(spec: dict[str, Any], version: str) -> None:
+    cs = parse_spec(spec)
+    for config in (CONFIG, CONFIG.replace(agent_privileged=False, priority_class="", runtime_class="nvidia",
+                                          agent_image_pull_secrets=("regcred",))):
+        kubernetes_validate.validate(render_daemonset(cs, "ml", "llama", config), version, strict=True)
+    cm = render_sharding_configmap(cs, "ml", "llama")
+    if cm is not None:
+        kubernetes_validate.validate(cm, version, strict=True)
+
+
+def test_schema_validation_catches_a_broken_manifest() -> None:
+    """The validation above has teeth."""
+    ds = render(LLAMA_SPEC)
+    container(ds)["securityContext"]["privileged"] = "yes"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(ds, K8S_VERSIONS[0], strict=True)
+
+
+def test_agent_command_line_contract() -> None:
+    ds = render(LLAMA_SPEC)
+    assert container(ds)["command"] == ["weightcache"]
+    assert container(ds)["args"] == [
+        "agent",
+        "--model", "/models/meta-llama/Llama-3.1-70B-Instruct",
+        "--socket-dir", "/run/weightcache/ml/llama",
+        "--tp-size", "8",
+        "--devices", "all",
+        "--quantization", "fp8-block",
+        "--dtype", "bfloat16",
+        "--backend", "auto",
+        "--http-port", "9464",
+        "--revision", "main",
+        "--sharding", "llama",
+    ]
+    args = agent_args(parse_spec(RULES_SPEC), "ml", "qwen")
+    assert args[args.index("--model") + 1] == "/models"
+    assert args[args.index("--sharding") + 1] == "/etc/weightcache/sharding.yaml"
+    assert args[-1] == "--expert-parallel"
+    assert "--revision" not in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x")
+
+
+def test_daemonset_runs_privileged_agents_on_every_gpu_node() -> None:
+    ds = render(LLAMA_SPEC)
+    assert ds["metadata"]["name"] == "llama-agent" and ds["metadata"]["namespace"] == "ml"
+    c, ps = container(ds), pod_spec(ds)
+    assert c["securityContext"] == {"privileged": True}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["NVIDIA_VISIBLE_DEVICES"]["value"] == "all"
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert "resources" not in c  # no nvidia.com/gpu request: engines keep the GPUs
+    assert ps["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert ps["priorityClassName"] == "system-node-critical"
+    assert ps["automountServiceAccountToken"] is False
+    assert "hostNetwork" not in ps and "hostPID" not in ps and "hostIPC" not in ps
+    volumes = {v["name"]: v for v in ps["volumes"]}
+    assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml/llama", "type": "DirectoryOrCreate"}
+    assert volumes["models"]["hostPath"] == {"path": "/models", "type": "Directory"}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml/llama"
+    assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/models"
+    assert ds["spec"]["selector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "weightcache-agent", "weightcache.io/cache": "llama"}
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+
+
+def test_probes_use_the_agent_http_endpoints_with_generous_timing() -> None:
+    c = container(render(LLAMA_SPEC))
+    assert c["ports"] == [{"name": "http", "containerPort": 9464, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300
+    # Liveness never looks at /readyz: a minutes-long cold load must not restart the agent.
+    assert all(p["httpGet"]["port"] == "http" for p in (c["livenessProbe"], c["readinessProbe"], startup))
+
+
+def test_pvc_rules_selector_tolerations_resources_and_image() -> None:
+    ds = render(RULES_SPEC, name="qwen")
+    c, ps = container(ds), pod_spec(ds)
+    volumes = {v["name"]: v for v in ps["volumes"]}
+    assert volumes["models"] == {"name": "models",
+                                 "persistentVolumeClaim": {"claimName": "qwen-weights", "readOnly": True}}
+    assert volumes["sharding"]["configMap"]["name"] == "qwen-sharding"
+    assert {"name": "sharding", "mountPath": "/etc/weightcache", "readOnly": True} in c["volumeMounts"]
+    assert ANNOTATION_SHARDING_HASH in ds["spec"]["template"]["metadata"]["annotations"]
+    assert ps["nodeSelector"] == {"pool": "gpu"}
+    # The GPU toleration is not duplicated when the spec repeats it.
+    assert ps["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute", "tolerationSeconds": 60},
+    ]
+    assert ps["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"] == [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.count", "operator": "Gt", "values": ["3"]}]}]
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"memory": "64Gi"}}
+    assert c["image"] == "registry.local/agent:dev"
+    assert container(render(LLAMA_SPEC))["image"] == CONFIG.agent_image
+
+    cm = render_sharding_configmap(parse_spec(RULES_SPEC), "ml", "qwen")
+    assert cm["metadata"]["name"] == "qwen-sharding"
+    assert yaml.safe_load(cm["data"]["sharding.yaml"]) == {"rules": RULES_SPEC["sharding"]["rules"]}
+    assert render_sharding_configmap(parse_spec(LLAMA_SPEC), "ml", "llama") is None
+
+
+def test_operator_settings_shape_the_pods() -> None:
+    config = CONFIG.replace(agent_privileged=False, priority_class="", model_root="/data/models",
+                            runtime_class="nvidia", agent_image="agent:2", agent_image_pull_policy="Always",
+                            agent_image_pull_secrets=("regcred",))
+    ds = render(LLAMA_SPEC, config)
+    c, ps = container(ds), pod_spec(ds)
+    assert c["securityContext"] == {"privileged": False, "allowPrivilegeEscalation": False}
+    assert "priorityClassName" not in ps
+    assert ps["runtimeClassName"] == "nvidia"
+    assert ps["imagePullSecrets"] == [{"name": "regcred"}]
+    assert c["image"] == "agent:2" and c["imagePullPolicy"] == "Always"
+    assert {v["name"]: v for v in ps["volumes"]}["models"]["hostPath"]["path"] == "/data/models"
+
+
+def test_spec_hash_changes_exactly_when_the_rendering_does() -> None:
+    a = render(LLAMA_SPEC)
+    reordered = dict(reversed(list(copy.deepcopy(LLAMA_SPEC).items())))
+    assert render(reordered) == a  # key order in the spec does not matter
+    assert render({**LLAMA_SPEC, "model": {"path": "meta-llama//Llama-3.1-70B-Instruct/", "revision": "main"}}) == a
+    h = a["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+    for change in ({"quantization": "none"}, {"dtype": "float16"}, {"nodeSelector": {"a": "b"}},
+                   {"model": {"path": "other"}}):
+        assert render({**LLAMA_SPEC, **change})["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != h
+    rules2 = copy.deepcopy(RULES_SPEC)
+    rules2["sharding"]["rules"][0]["split"] = "row"
+    assert render(rules2)["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != \
+        render(RULES_SPEC)["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+
+
+def test_merge_patch_removes_what_the_desired_object_lacks() -> None:
+    current = {"template": {"spec": {"nodeSelector": {"a": "1", "b": "2"}, "dnsPolicy": "ClusterFirst",
+                                     "tolerations": [{"key": "x"}, {"key": "y"}]}}, "revisionHistoryLimit": 10}
+    desired = {"template": {"spec": {"nodeSelector": {"a": "1"}, "tolerations": [{"key": "x"}]}},
+               "revisionHistoryLimit": 10}
+    patch = merge_patch_for(current, desired)
+    assert patch == {"template": {"spec": {"nodeSelector": {"b": None}, "dnsPolicy": None,
+                                           "tolerations": [{"key": "x"}]}}}
+    assert merge_patch_for(desired, desired) == {}
+
+
+def test_config_from_env_matches_chart_names() -> None:
+    env = {
+        "WEIGHTCACHE_AGENT_IMAGE": "agent:9",
+        "WEIGHTCACHE_AGENT_PRIVILEGED": "false",
+        "WEIGHTCACHE_PRIORITY_CLASS": "",
+        "WEIGHTCACHE_MODEL_ROOT": "/mnt/models",
+        "WEIGHTCACHE_RUNTIME_CLASS": "nvidia",
+        "WEIGHTCACHE_AGENT_IMAGE_PULL_SECRETS": "a, b",
+        "WEIGHTCACHE_POLL_INTERVAL": "10",
+    }
+    config = OperatorConfig.from_env(env)
+    assert (config.agent_image, config.agent_privileged, config.priority_class, config.model_root,
+            config.runtime_class, config.agent_image_pull_secrets, config.poll_interval) == \
+        ("agent:9", False, "", "/mnt/models", "nvidia", ("a", "b"), 10.0)
+    assert OperatorConfig.from_env({}) == OperatorConfig()
+    with pytest.raises(ValueError):
+        OperatorConfig.from_env({"WEIGHTCACHE_MODEL_ROOT": "relative/path"})
+    with pytest.raises(ValueError):
+        OperatorConfig.from_env({"WEIGHTCACHE_AGENT_PRIVILEGED": "maybe"})

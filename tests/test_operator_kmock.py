@@ -1,0 +1,341 @@
+"""The operator's handlers end to end against kmock, the Kubernetes API emulator.
+
+The real operator (``build_registry`` + ``build_settings``, as ``weightcache operator``
+runs them) runs in kopf's ``KopfRunner`` thread against kmock's HTTP API; agents are
+real HTTP servers on 127.0.0.1 answering ``/status``; agent pods point at them.
+
+The emulator has no DaemonSet controller, no generation bumps, no garbage collector
+(DESIGN §9), so tests play those parts where it matters: they set the DaemonSet's
+status as the controller would, bump ``metadata.generation`` with each spec change as
+the API server would, and check owner references instead of collection.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import yaml
+from kopf.testing import KopfRunner
+
+from operator_fixtures import (
+    CM_RESOURCE,
+    DS_RESOURCE,
+    LLAMA_SPEC,
+    POD_RESOURCE,
+    WC_RESOURCE,
+    AgentServer,
+    KubeClient,
+    agent_pod,
+    agent_status,
+    condition,
+    declare_resources,
+    events_for,
+    get_object,
+    requests_of,
+    wait_for,
+    weightcache,
+    write_kubeconfig,
+)
+from weightcache_operator.config import OperatorConfig
+from weightcache_operator.handlers import build_registry, build_settings
+from weightcache_operator.manifests import ANNOTATION_SPEC_HASH
+
+pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
+
+POLL = 0.5  # seconds between polls of the agents (the lowest the config allows)
+
+
+@contextlib.asynccontextmanager
+async def operator(kmock: Any) -> AsyncIterator[KopfRunner]:
+    """Run the operator until the block ends; starts only once kopf watches WeightCaches."""
+    registry, _ = build_registry(OperatorConfig(poll_interval=POLL, agent_http_timeout=1.0))
+    before = len(requests_of(kmock, "GET", "weightcaches"))
+    runner = KopfRunner(["run", "--standalone", "--all-namespaces"], registry=registry,
+                        settings=build_settings(), timeout=30)
+    runner.__enter__()
+    try:
+        # The watch request is a GET with ?watch=true on the WeightCache collection.
+        await wait_for(lambda: any(r.params.get("watch") for r in requests_of(kmock, "GET", "weightcaches")[before:]),
+                       what="kopf's watch on weightcaches")
+        yield runner
+    finally:
+        # KopfRunner joins its thread; do that off the loop so the emulator keeps serving.
+        await asyncio.to_thread(runner.__exit__, None, None, None)
+
+
+@pytest_asyncio.fixture()
+async def cluster(kmock: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeClient]:
+    declare_resources(kmock)
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))))
+    client = KubeClient(kmock.url)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+def ds_of(kmock: Any, name: str) -> dict[str, Any] | None:
+    return get_object(kmock, DS_RESOURCE, "default", f"{name}-agent")
+
+
+def wc_of(kmock: Any, name: str) -> dict[str, Any] | None:
+    return get_object(kmock, WC_RESOURCE, "default", name)
+
+
+def container_of(ds: dict[str, Any]) -> dict[str, Any]:
+    return ds["spec"]["template"]["spec"]["containers"][0]
+
+
+async def set_spec(client: KubeClient, kmock: Any, name: str, spec_patch: dict[str, Any]) -> int:
+    """Patch a WeightCache's spec and bump its generation, as the API server does."""
+    generation = wc_of(kmock, name)["metadata"]["generation"] + 1
+    await client.patch(WC_RESOURCE, "default", name, {"metadata": {"generation": generation}, "spec": spec_patch})
+    return generation
+
+
+async def daemonset_controller(client: KubeClient, name: str, desired: int) -> None:
+    """Publish the DaemonSet status the real controller would."""
+    await client.patch(DS_RESOURCE, "default", f"{name}-agent", {"status": {
+        "desiredNumberScheduled": desired, "updatedNumberScheduled": desired,
+        "currentNumberScheduled": desired, "numberReady": desired}}, subresource="status")
+
+
+async def test_create_renders_owned_daemonset_and_rolls_up_agent_state(cluster: KubeClient, kmock: Any) -> None:
+    with AgentServer(agent_status("node-a", "Loading", progress=0.5)) as a, \
+            AgentServer(agent_status("node-b", "Ready", clients=3)) as b:
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+
+            ds = await wait_for(lambda: ds_of(kmock, "llama"), what="the agent DaemonSet")
+            assert ds["metadata"]["ownerReferences"] == [{
+                "apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "name": "llama",
+                "uid": "uid-default-llama", "controller": True, "blockOwnerDeletion": True,
+            }]
+            args = container_of(ds)["args"]
+            assert args[:3] == ["agent", "--model", "/models/meta-llama/Llama-3.1-70B-Instruct"]
+            assert "--tp-size" in args and args[args.index("--tp-size") + 1] == "8"
+            assert args[args.index("--quantization") + 1] == "fp8-block"
+            assert args[args.index("--sharding") + 1] == "llama"
+
+            # Before the DaemonSet controller has acted: Starting, and the generation is observed.
+            wc = await wait_for(lambda: condition(wc_of(kmock, "llama"), "Ready") and wc_of(kmock, "llama"))
+            assert wc["status"]["observedGeneration"] == 1
+            assert condition(wc, "Ready")["reason"] == "Starting"
+            assert all(c["observedGeneration"] == 1 for c in wc["status"]["conditions"])
+            assert wc["status"]["daemonSet"] == "llama-agent"
+            assert wc["status"]["socketDir"] == "/run/weightcache/default/llama"
+
+            await daemonset_controller(cluster, "llama", desired=2)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-b", b.port))
+
+            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"].get("nodeCounts", {}).get("loading") == 1 and w,
+                                what="one node loading")
+            assert condition(wc, "Loading")["status"] == "True"
+            assert condition(wc, "Ready")["status"] == "False"
+            nodes = {n["node"]: n for n in wc["status"]["nodes"]}
+            assert nodes["node-a"]["phase"] == "Loading" and nodes["node-a"]["progress"] == 50
+            assert nodes["node-b"] == {
+                "node": "node-b", "pod": "llama-agent-node-b", "phase": "Ready", "bytes": 20 * 2**30,
+                "progress": 100, "loadSeconds": 12.5, "clients": 3,
+                "gpuUUIDs": ["GPU-node-b-0000", "GPU-node-b-0001"],
+                "socketDir": "/run/weightcache/default/llama", "fingerprint": "sha256:abc123",
+            }
+
+            a.doc = agent_status("node-a", "Ready")
+            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"].get("readyNodes") == 2 and w,
+                                what="both nodes ready")
+            assert condition(wc, "Ready")["status"] == "True"
+            assert condition(wc, "Ready")["reason"] == "AllNodesReady"
+            assert condition(wc, "Loading")["status"] == "False"
+            assert condition(wc, "Degraded")["status"] == "False"
+            assert wc["status"]["desiredNodes"] == 2
+
+            # Every transition was announced as an Event on the WeightCache.
+            reasons = await wait_for(lambda: {e["reason"] for e in events_for(kmock, "llama")} >= {"AllNodesReady", "Loading", "DaemonSetCreated"}
+                                     and {e["reason"] for e in events_for(kmock, "llama")}, what="events")
+            assert "Starting" in reasons
+
+            # Steady state: agents keep being polled, but nothing is written.
+            status_writes = len(requests_of(kmock, "PATCH", "weightcaches", name="llama", subresource="status"))
+            ds_writes = len(requests_of(kmock, "PATCH", "daemonsets")) + len(requests_of(kmock, "POST", "daemonsets"))
+            hits = a.hits
+            await asyncio.sleep(4 * POLL)
+            assert a.hits > hits, "agents are polled on a timer"
+            assert len(requests_of(kmock, "PATCH", "weightcaches", name="llama", subresource="status")) == status_writes
+            assert len(requests_of(kmock, "PATCH", "daemonsets")) + len(requests_of(kmock, "POST", "daemonsets")) == ds_writes
+
+    # The only finalizer is kopf's, for stopping the per-object timer.
+    assert wc_of(kmock, "llama")["metadata"]["finalizers"] == ["weightcache.io/operator"]
+
+
+async def test_spec_change_patches_the_daemonset_in_place(cluster: KubeClient, kmock: Any) -> None:
+    async with operator(kmock):
+        spec = {**LLAMA_SPEC, "nodeSelector": {"pool": "h200"}}
+        await cluster.create(WC_RESOURCE, weightcache("llama", spec))
+        ds = await wait_for(lambda: ds_of(kmock, "llama"), what="the agent DaemonSet")
+        first_hash = ds["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
+        assert ds["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "h200"}
+
+        generation = await set_spec(cluster, kmock, "llama", {
+            "quantization": "none",
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}],
+            "agent": {"resources": {"limits": {"memory": "64Gi"}}},
+        })
+        ds = await wait_for(lambda: "none" in container_of(d := ds_of(kmock, "llama"))["args"] and d,
+                            what="the DaemonSet to pick up the new quantization")
+        assert ds["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != first_hash
+        assert {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"} in \
+            ds["spec"]["template"]["spec"]["tolerations"]
+        assert container_of(ds)["resources"] == {"limits": {"memory": "64Gi"}}
+        wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"]["observedGeneration"] == generation and w)
+        assert all(c["observedGeneration"] == generation for c in wc["status"]["conditions"])
+
+        # Removing a field removes it from the pod template (an explicit null in the merge patch).
+        await set_spec(cluster, kmock, "llama", {"nodeSelector": None})
+        await wait_for(lambda: "nodeSelector" not in ds_of(kmock, "llama")["spec"]["template"]["spec"],
+                       what="nodeSelector to go away")
+
+        # Explicit sharding rules: a ConfigMap owned by the cache, mounted into the agents.
+        rules = [{"pattern": r".*\.q_proj\.weight$", "split": "column"},
+                 {"pattern": r".*\.o_proj\.weight$", "split": "row"}]
+        await set_spec(cluster, kmock, "llama", {"sharding": {"preset": None, "rules": rules}})
+        cm = await wait_for(lambda: get_object(kmock, CM_RESOURCE, "default", "llama-sharding"), what="the ConfigMap")
+        assert yaml.safe_load(cm["data"]["sharding.yaml"]) == {"rules": rules}
+        assert cm["metadata"]["ownerReferences"][0]["uid"] == "uid-default-llama"
+        ds = await wait_for(lambda: "/etc/weightcache/sharding.yaml" in container_of(d := ds_of(kmock, "llama"))["args"] and d)
+        assert {"name": "sharding", "mountPath": "/etc/weightcache", "readOnly": True} in container_of(ds)["volumeMounts"]
+
+        # Created once, patched after: never a second object.
+        assert len(requests_of(kmock, "POST", "daemonsets")) == 1
+        assert len(requests_of(kmock, "PATCH", "daemonsets", name="llama-agent")) == 3
+
+
+async def test_operator_restart_converges_without_duplicates(cluster: KubeClient, kmock: Any) -> None:
+    with AgentServer(agent_status("node-a", "Ready")) as a:
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+            await wait_for(lambda: ds_of(kmock, "llama"), what="the agent DaemonSet")
+            await daemonset_controller(cluster, "llama", desired=1)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await wait_for(lambda: (condition(wc_of(kmock, "llama"), "Ready") or {}).get("status") == "True",
+                           what="Ready")
+        ready_since = condition(wc_of(kmock, "llama"), "Ready")["lastTransitionTime"]
+        writes = {m: len(requests_of(kmock, m, "daemonsets")) for m in ("POST", "PATCH")}
+        status_writes = len(requests_of(kmock, "PATCH", "weightcaches", subresource="status"))
+
+        # Same state, new operator: it reads everything, writes nothing.
+        async with operator(kmock):
+            gets = len(requests_of(kmock, "GET", "daemonsets"))
+            await wait_for(lambda: len(requests_of(kmock, "GET", "daemonsets")) > gets + 2, what="a few reconciles")
+            assert {m: len(requests_of(kmock, m, "daemonsets")) for m in ("POST", "PATCH")} == writes
+            assert len(requests_of(kmock, "PATCH", "weightcaches", subresource="status")) == status_writes
+
+        # The spec changed while no operator ran: the next one converges to it.
+        await set_spec(cluster, kmock, "llama", {"dtype": "float16"})
+        async with operator(kmock):
+            await wait_for(lambda: "float16" in container_of(ds_of(kmock, "llama"))["args"], what="the new dtype")
+            # The agent on node-a still runs the old template until the controller rolls it.
+            await daemonset_controller(cluster, "llama", desired=1)
+            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"]["observedGeneration"] == 2 and w)
+        assert writes["POST"] == 1 and len(requests_of(kmock, "POST", "daemonsets")) == 1
+        assert len([k for k in kmock.objects if k[0].plural == "daemonsets"]) == 1
+        # Ready stayed True throughout: its transition time did not move.
+        assert condition(wc, "Ready")["lastTransitionTime"] == ready_since
+
+
+async def test_invalid_spec_is_degraded_and_others_keep_reconciling(cluster: KubeClient, kmock: Any) -> None:
+    async with operator(kmock):
+        # The emulator has no CEL: this is an object that got past validation.
+        await cluster.create(WC_RESOURCE, weightcache("bad", {**LLAMA_SPEC, "quantization": "fp8-per-tensor"}))
+        await cluster.create(WC_RESOURCE, weightcache("good", LLAMA_SPEC))
+
+        await wait_for(lambda: ds_of(kmock, "good"), what="the good cache's DaemonSet")
+        degraded = await wait_for(lambda: condition(wc_of(kmock, "bad"), "Degraded"), what="Degraded on bad")
+        assert degraded["status"] == "True"
+        assert degraded["reason"] == "RefusedQuantization"
+        assert "fp8-per-tensor" in degraded["message"] and "wrong numbers silently" in degraded["message"]
+        assert condition(wc_of(kmock, "bad"), "Ready")["status"] == "False"
+        assert ds_of(kmock, "bad") is None
+
+        warning = await wait_for(lambda: [e for e in events_for(kmock, "bad")
+                                          if e["reason"] == "RefusedQuantization" and e["type"] == "Warning"],
+                                 what="a Warning event")
+        assert warning[0]["message"].startswith("Degraded=True: quantization fp8-per-tensor is refused")
+
+        # Still invalid on later polls: no retry storm, no repeated writes.
+        writes = len(requests_of(kmock, "PATCH", "weightcaches", name="bad", subresource="status"))
+        await asyncio.sleep(3 * POLL)
+        assert len(requests_of(kmock, "PATCH", "weightcaches", name="bad", subresource="status")) == writes
+
+        # Fixed: rendered like any other.
+        await set_spec(cluster, kmock, "bad", {"quantization": "fp8-block"})
+        await wait_for(lambda: ds_of(kmock, "bad"), what="the fixed cache's DaemonSet")
+        await wait_for(lambda: condition(wc_of(kmock, "bad"), "Degraded")["status"] == "False")
+
+
+async def test_agent_failures_become_degraded_with_the_agents_reason(cluster: KubeClient, kmock: Any) -> None:
+    failed = agent_status("node-a", "Failed", message="model directory /models/llama not found on this node")
+    with AgentServer(failed) as a, AgentServer(agent_status("node-b", "Ready")) as b:
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+            await wait_for(lambda: ds_of(kmock, "llama"))
+            await daemonset_controller(cluster, "llama", desired=3)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-b", b.port))
+            # node-c's agent does not answer (nothing listens on that port).
+            with AgentServer() as gone:
+                dead_port = gone.port
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-c", dead_port))
+
+            degraded = await wait_for(lambda: (c := condition(wc_of(kmock, "llama"), "Degraded")) and c["reason"] == "AgentFailed" and c,
+                                      what="AgentFailed")
+            assert degraded["status"] == "True"
+            assert "node-a: model directory /models/llama not found" in degraded["message"]
+            wc = wc_of(kmock, "llama")
+            assert wc["status"]["nodeCounts"] == {"pending": 0, "loading": 0, "ready": 1, "failed": 1, "unknown": 1}
+            # Failed first, then Unknown, then the rest.
+            assert [n["phase"] for n in wc["status"]["nodes"]] == ["Failed", "Unknown", "Ready"]
+            assert "not reachable" in wc["status"]["nodes"][1]["message"]
+            await wait_for(lambda: any(e["reason"] == "AgentFailed" and e["type"] == "Warning"
+                                       for e in events_for(kmock, "llama")), what="a Warning event")
+
+            # The agent recovers; the unreachable one still degrades the cache, with its own reason.
+            a.doc = agent_status("node-a", "Ready")
+            await wait_for(lambda: condition(wc_of(kmock, "llama"), "Degraded")["reason"] == "AgentUnreachable")
+
+
+async def test_deletion_stops_polling_and_leaves_children_to_the_garbage_collector(cluster: KubeClient, kmock: Any) -> None:
+    async with operator(kmock):
+        await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+        ds = await wait_for(lambda: ds_of(kmock, "llama"))
+        await wait_for(lambda: condition(wc_of(kmock, "llama"), "Ready"))
+        await cluster.delete(WC_RESOURCE, "default", "llama")
+        # kopf stops the timer, releases its finalizer, and the object goes.
+        await wait_for(lambda: wc_of(kmock, "llama") is None, what="the WeightCache to be gone")
+        # No deletion handler touched the DaemonSet: on a real cluster the garbage
+        # collector deletes it through its controller owner reference.
+        assert requests_of(kmock, "DELETE", "daemonsets") == []
+        assert ds["metadata"]["ownerReferences"][0]["controller"] is True
+        # The per-object timer stopped with the object.
+        gets = len(requests_of(kmock, "GET", "daemonsets", name="llama-agent"))
+        await asyncio.sleep(3 * POLL)
+        assert len(requests_of(kmock, "GET", "daemonsets", name="llama-agent")) == gets
+
+
+async def test_foreign_daemonset_with_our_name_is_not_taken_over(cluster: KubeClient, kmock: Any) -> None:
+    foreign = {"apiVersion": "apps/v1", "kind": "DaemonSet",
+               "metadata": {"name": "llama-agent", "namespace": "default", "labels": {"team": "other"}},
+               "spec": {"selector": {"matchLabels": {"team": "other"}}, "template": {}}}
+    await cluster.create(DS_RESOURCE, foreign)
+    async with operator(kmock):
+        await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+        degraded = await wait_for(lambda: condition(wc_of(kmock, "llama"), "Degraded"))
+        assert degraded["status"] == "True" and degraded["reason"] == "OwnershipConflict"
+        assert "not controlled by this WeightCache" in degraded["message"]
+    assert requests_of(kmock, "PATCH", "daemonsets") == []
+    assert ds_of(kmock, "llama")["metadata"]["labels"] == {"team": "other"}
