@@ -54,8 +54,10 @@ class Lease:
 
 
 class Agent:
-    def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False):
+    def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT):
         self.spec = spec
+        self.handshake_timeout = handshake_timeout
         self.socket_path = os.path.abspath(socket_path)
         self.show_progress = show_progress
         self.phase = "starting"
@@ -179,7 +181,7 @@ class Agent:
         peer = protocol.peer_pid(conn)
         lease: Lease | None = None
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT)
+            conn.settimeout(self.handshake_timeout)
             while lease is None:
                 message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
                 kind = message["type"]
@@ -200,7 +202,7 @@ class Agent:
         except EOFError:
             pass
         except socket.timeout:
-            log.warning("client pid=%s dropped: no complete request within %.0fs", peer, HANDSHAKE_TIMEOUT)
+            log.warning("client pid=%s dropped: no complete request within %.1fs", peer, self.handshake_timeout)
         except ProtocolError as e:
             log.warning("client pid=%s dropped: %s", peer, e)
             _try_send(conn, protocol.error_message("protocol", str(e)))

@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharding", help="sharding preset name or YAML rules file")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
     p.add_argument("--revision", help="revision label shown in status")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a new connection may take to send its first complete request")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> int:
     from .agent import Agent  # after the spec checks: refusals stay instant
 
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
-    agent = Agent(spec, args.socket, show_progress=show)
+    agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout)
     try:
         agent.bind()
     except WeightCacheError as e:

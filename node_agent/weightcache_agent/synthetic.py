@@ -107,3 +107,22 @@ def write_llama_checkpoint(directory: str, shape: LlamaShape | None = None, dtyp
                            seed: int = 0, shards: int = 1) -> str:
     shape = shape or LlamaShape()
     return write_checkpoint(directory, llama_tensors(shape, dtype, seed), shape.config(dtype), shards)
+
+
+def skeleton_module(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.nn.Module:
+    """A module tree on the meta device with one parameter per name (name -> (shape, dtype)).
+
+    Stands in for an engine's model where only the parameter names matter (tests, benchmarks).
+    """
+    root = torch.nn.Module()
+    for name, (shape, dtype) in tensors.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            child = owner._modules.get(part)
+            if child is None:
+                child = torch.nn.Module()
+                owner.add_module(part, child)
+            owner = child
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False))
+    return root

@@ -1,0 +1,92 @@
+"""Shared helpers for tests that run real agent processes."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from weightcache_agent import agent_status
+from weightcache_agent.errors import AgentUnavailable
+
+PROBE = os.path.join(os.path.dirname(__file__), "engine_probe.py")
+
+
+class AgentProcess:
+    """`weightcache agent` as a subprocess; `wait_ready()` polls its status over the socket."""
+
+    def __init__(self, model: str, socket: str, *extra: str):
+        self.socket = socket
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket", socket, "--progress", "never", *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.proc.stderr.read()}")
+            try:
+                status = agent_status(self.socket)
+                if status["phase"] == "ready":
+                    return status
+            except AgentUnavailable:
+                pass
+            time.sleep(0.02)
+        raise AssertionError("agent did not become ready")
+
+    def status(self) -> dict[str, Any]:
+        return agent_status(self.socket)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def stderr(self) -> str:
+        return self.proc.stderr.read() if self.proc.poll() is not None else ""
+
+
+class Probe:
+    """An engine process (tests/engine_probe.py) driven line by line."""
+
+    def __init__(self, model: str, socket: str):
+        self.proc = subprocess.Popen([sys.executable, PROBE, model, socket], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"probe died ({self.proc.wait()}): {self.proc.stderr.read()[-2000:]}")
+        return json.loads(line)
+
+    def ask(self, command: str) -> dict[str, Any]:
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            stream.close()
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def map_count(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)

@@ -1,0 +1,233 @@
+"""Agent + client over real sockets between real processes (cpu backend)."""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from agent_fixtures import AgentProcess, Probe, fd_count, map_count
+from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, attach
+from weightcache_agent.checkpoint import open_checkpoint
+from weightcache_agent.errors import AgentUnavailable, WeightCacheError
+from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
+
+SHAPE = LlamaShape(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=8192)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny-llama"), SHAPE)
+
+
+@pytest.fixture
+def agent(model, tmp_path):
+    proc = AgentProcess(model, str(tmp_path / "sock" / "agent.sock"), "--handshake-timeout", "1")
+    proc.wait_ready()
+    yield proc
+    proc.stop()
+
+
+def meta_module(model: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    return skeleton_module({n: (r.shape, dtype or r.dtype) for n, r in open_checkpoint(model).tensors.items()})
+
+
+def test_two_engines_share_one_arena_zero_copy(model, agent):
+    a, b = Probe(model, agent.socket), Probe(model, agent.socket)
+    try:
+        assert a.hello["source"] == b.hello["source"] == "agent"
+        assert {c["pid"] for c in agent.status()["clients"]} == {a.hello["pid"], b.hello["pid"]}
+        size = a.hello["bytes"]
+        assert size > 32 * 2**20
+        ta, tb = a.ask("touch"), b.ask("touch")
+        for t in (ta, tb):
+            assert t["inside_memfd"], "a parameter does not point into the shared mapping"
+            assert t["read_only"]
+            assert t["rss_anon_growth"] < 0.1 * size, f"engine copied weights: anon RSS grew {t['rss_anon_growth']} bytes"
+        assert ta["checksum"] == tb["checksum"]
+        assert a.ask("verify") == {"identical": True}
+        assert b.ask("verify") == {"identical": True}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_write_faults_in_the_writer_only_and_the_memfd_is_sealed(model, agent):
+    writer, reader = Probe(model, agent.socket), Probe(model, agent.socket)
+    try:
+        assert reader.ask("map-writable")["writable_map"] is False
+        assert writer.ask("write") == {"writing": True}
+        assert writer.proc.wait(10) == -signal.SIGSEGV
+        assert reader.ask("verify") == {"identical": True}
+        assert [c["pid"] for c in agent.status()["clients"]] == [reader.hello["pid"]]
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_engine_keeps_correct_weights_after_agent_sigkill(model, agent):
+    probe = Probe(model, agent.socket)
+    try:
+        agent.proc.kill()
+        agent.proc.wait()
+        assert probe.ask("verify") == {"identical": True}
+        assert probe.ask("status")["agent_alive"] is False
+        assert probe.ask("touch")["inside_memfd"]
+    finally:
+        probe.close()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    ({"dtype": "float16"}, {"dtype": ("bfloat16", "float16")}),
+    ({"tp_size": 2, "tp_rank": 1}, {"tp_size": (1, 2), "tp_rank": (0, 1)}),
+    ({"quantization": "fp8-block"}, {"quantization": ("none", "fp8-block"), "quantization_config": None}),
+    ({"expert_parallel": True}, {"expert_parallel": (False, True)}),
+    ({"sharding": "qwen2"}, {"sharding": ("auto", "qwen2")}),
+])
+def test_fingerprint_mismatch_names_each_field(model, agent, overrides, expected):
+    with pytest.raises(FingerprintMismatch) as err:
+        attach(meta_module(model), CacheSpec(model=model, **overrides), socket=agent.socket)
+    assert set(err.value.differences) == set(expected)
+    for field, values in expected.items():
+        if values is not None:
+            assert f"{field}: cache={values[0]} engine={values[1]}" in str(err.value)
+    assert agent.status()["clients"] == []
+
+
+def test_fingerprint_is_content_identity_not_path(model, agent, tmp_path):
+    same = shutil.copytree(model, tmp_path / "copy" / os.path.basename(model))
+    attach(meta_module(str(same)), CacheSpec(model=str(same)), socket=agent.socket).close()  # same bytes, other path
+    changed = write_llama_checkpoint(str(tmp_path / "other" / os.path.basename(model)), SHAPE, seed=0, shards=2)
+    with pytest.raises(FingerprintMismatch, match=r"revision: cache=\w+ engine=\w+") as err:
+        attach(meta_module(changed), CacheSpec(model=changed), socket=agent.socket)
+    assert set(err.value.differences) == {"revision"}
+    renamed = shutil.copytree(model, tmp_path / "qwen-7b")
+    with pytest.raises(FingerprintMismatch, match="model: cache=tiny-llama engine=qwen-7b"):
+        attach(meta_module(str(renamed)), CacheSpec(model=str(renamed)), socket=agent.socket)
+
+
+def test_fallback_loads_from_disk_on_mismatch_or_missing_agent(model, agent, tmp_path):
+    module = meta_module(model, torch.float16)
+    att = attach(module, CacheSpec(model=model, dtype="float16"), socket=agent.socket, fallback=True)
+    assert att.source == "disk"
+    disk = load_file(os.path.join(model, "model.safetensors"))
+    params = dict(module.named_parameters())
+    assert all(torch.equal(disk[n].half(), params[n]) for n in disk)
+    with pytest.raises(AgentUnavailable, match="no agent answers"):
+        attach(meta_module(model), CacheSpec(model=model), socket=str(tmp_path / "none.sock"))
+    assert attach(meta_module(model), CacheSpec(model=model), socket=str(tmp_path / "none.sock"), fallback=True).source == "disk"
+
+
+@pytest.mark.parametrize("method", ["fp8-per-tensor", "marlin", "awq", "gptq", "int3-magic"])
+def test_refused_quantization_methods(model, tmp_path, method):
+    sock = str(tmp_path / "q.sock")
+    proc = subprocess.run([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket", sock,
+                           "--quantization", method], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"quantization method {method!r} is refused" in proc.stderr
+    assert "wrong numbers silently" in proc.stderr
+    assert not os.path.exists(sock)
+    with pytest.raises(UnsupportedQuantization, match=method):
+        CacheSpec(model=model, quantization=method)
+
+
+def test_off_mode_matches_disk_bit_for_bit(model):
+    module = meta_module(model)
+    att = attach(module, CacheSpec(model=model), mode="off")
+    assert att.source == "disk"
+    disk = load_file(os.path.join(model, "model.safetensors"))
+    params = dict(module.named_parameters())
+    assert all(torch.equal(disk[n], params[n]) for n in disk)
+
+
+def test_daemon_mode_starts_one_agent_and_reuses_it(model, tmp_path):
+    sock = str(tmp_path / "d" / "agent.sock")
+    first = attach(meta_module(model), CacheSpec(model=model), socket=sock, mode="daemon", timeout=60)
+    pid = None
+    try:
+        assert first.source == "agent"
+        second = attach(meta_module(model), CacheSpec(model=model), socket=sock, mode="daemon", timeout=60)
+        status = AgentProcess.__new__(AgentProcess)
+        status.socket = sock
+        info = status.status()
+        pid = info["pid"]
+        assert len(info["clients"]) == 2
+        second.close()
+    finally:
+        first.close()
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+
+
+def test_status_cli_json_and_text(model, agent):
+    probe = Probe(model, agent.socket)
+    try:
+        out = subprocess.run([sys.executable, "-m", "weightcache_agent", "status", "--socket", agent.socket, "--json"],
+                             capture_output=True, text=True, check=True).stdout
+        status = json.loads(out)
+        assert {"fingerprint", "bytes", "tensors", "clients", "backend", "load_seconds", "model"} <= set(status)
+        assert status["tensors"] == len(open_checkpoint(model).tensors)
+        assert status["bytes"] == open_checkpoint(model).nbytes
+        assert [c["pid"] for c in status["clients"]] == [probe.hello["pid"]]
+        assert status["clients"][0]["role"] == "primary" and status["clients"][0]["attached_at"] > 0
+        text = subprocess.run([sys.executable, "-m", "weightcache_agent", "status", "--socket", agent.socket],
+                              capture_output=True, text=True, check=True).stdout
+        assert status["fingerprint"] in text and str(probe.hello["pid"]) in text
+    finally:
+        probe.close()
+
+
+def test_sigterm_removes_socket_and_a_second_agent_is_refused(model, tmp_path):
+    sock = str(tmp_path / "one.sock")
+    first = AgentProcess(model, sock)
+    first.wait_ready()
+    second = subprocess.run([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket", sock],
+                            capture_output=True, text=True, timeout=60)
+    assert second.returncode == 3 and "already serving" in second.stderr
+    assert first.status()["phase"] == "ready"
+    assert first.stop() == 0
+    assert not os.path.exists(sock)
+
+
+def test_attach_detach_cycles_leak_nothing(model, agent):
+    pid = agent.proc.pid
+    spec = CacheSpec(model=model)
+    attach(meta_module(model), spec, socket=agent.socket).close()  # warm up lazily created state
+    gc.collect()
+    fds, maps, own_fds = fd_count(pid), map_count(pid), fd_count(os.getpid())
+    for _ in range(200):
+        attach(meta_module(model), spec, socket=agent.socket).close()
+
+    gc.collect()
+    assert agent.status()["clients"] == []
+    # The agent closes a connection on its own thread after the client hangs up: let it settle.
+    deadline = time.monotonic() + 5
+    while fd_count(pid) != fds and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fd_count(pid) == fds
+    assert map_count(pid) <= maps + 4  # thread stacks may be cached by glibc, never one mapping per attach
+    assert fd_count(os.getpid()) <= own_fds
+
+
+def test_agent_refuses_to_serve_a_bad_spec(model, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket",
+                           str(tmp_path / "s.sock"), "--tp-size", "2", "--tp-rank", "2"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "tp_rank must be in [0, 2)" in proc.stderr
+
+
+def test_error_reply_is_a_weightcache_error(model, agent):
+    primary = attach(meta_module(model), CacheSpec(model=model), socket=agent.socket, group="g")
+    try:
+        with pytest.raises(WeightCacheError, match="already has a primary"):
+            attach(meta_module(model), CacheSpec(model=model), socket=agent.socket, group="g")
+    finally:
+        primary.close()
