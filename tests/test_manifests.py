@@ -30,8 +30,8 @@ CONFIG = OperatorConfig()
 RULES_SPEC: dict[str, Any] = {
     "model": {"pvc": "qwen-weights", "revision": "v1"},
     "parallelism": {"tensor": 2, "expert": 2},
-    "sharding": {"rules": [{"pattern": r".*\.q_proj\.weight$", "split": "column"},
-                           {"pattern": r".*experts.*", "split": "expert", "dim": 0}]},
+    "sharding": {"rules": [{"pattern": r".*\.q_proj\.weight$", "mode": "column"},
+                           {"pattern": r".*experts.*", "mode": "column", "dim": 0}]},
     "nodeSelector": {"pool": "gpu"},
     "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                     {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoExecute",
@@ -161,6 +161,11 @@ def test_pvc_rules_selector_tolerations_resources_and_image() -> None:
     assert cm["metadata"]["name"] == "qwen-sharding"
     assert yaml.safe_load(cm["data"]["sharding.yaml"]) == {"rules": RULES_SPEC["sharding"]["rules"]}
     assert render_sharding_configmap(parse_spec(LLAMA_SPEC), "ml", "llama") is None
+    # Rules on top of a preset: the file names the preset, the agent puts the rules first.
+    both = parse_spec({**LLAMA_SPEC, "sharding": {"preset": "llama", "rules": [{"pattern": "lm_head", "mode": "vocab"}]}})
+    assert yaml.safe_load(render_sharding_configmap(both, "ml", "llama")["data"]["sharding.yaml"]) == {
+        "preset": "llama", "rules": [{"pattern": "lm_head", "mode": "vocab"}]}
+    assert agent_args(both, "ml", "llama")[-2:] == ["--sharding", "/etc/weightcache/sharding.yaml"]
 
 
 def test_operator_settings_shape_the_pods() -> None:
@@ -187,7 +192,7 @@ def test_spec_hash_changes_exactly_when_the_rendering_does() -> None:
                    {"model": {"path": "other"}}):
         assert render({**LLAMA_SPEC, **change})["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != h
     rules2 = copy.deepcopy(RULES_SPEC)
-    rules2["sharding"]["rules"][0]["split"] = "row"
+    rules2["sharding"]["rules"][0]["mode"] = "row"
     assert render(rules2)["metadata"]["annotations"][ANNOTATION_SPEC_HASH] != \
         render(RULES_SPEC)["metadata"]["annotations"][ANNOTATION_SPEC_HASH]
 

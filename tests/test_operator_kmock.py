@@ -201,8 +201,8 @@ async def test_spec_change_patches_the_daemonset_in_place(cluster: KubeClient, k
                        what="nodeSelector to go away")
 
         # Explicit sharding rules: a ConfigMap owned by the cache, mounted into the agents.
-        rules = [{"pattern": r".*\.q_proj\.weight$", "split": "column"},
-                 {"pattern": r".*\.o_proj\.weight$", "split": "row"}]
+        rules = [{"pattern": r".*\.q_proj\.weight$", "mode": "column"},
+                 {"pattern": r".*\.o_proj\.weight$", "mode": "row"}]
         await set_spec(cluster, kmock, "llama", {"sharding": {"preset": None, "rules": rules}})
         cm = await wait_for(lambda: get_object(kmock, CM_RESOURCE, "default", "llama-sharding"), what="the ConfigMap")
         assert yaml.safe_load(cm["data"]["sharding.yaml"]) == {"rules": rules}

@@ -99,18 +99,27 @@ def agent_args(cs: CacheSpec, namespace: str, name: str) -> list[str]:
     ]
     if cs.revision:
         args += ["--revision", cs.revision]
-    if cs.sharding_preset:
-        args += ["--sharding", cs.sharding_preset]
-    elif cs.sharding_rules:
+    if cs.sharding_rules:
+        # Rules (and the preset they go in front of) travel as a file.
         args += ["--sharding", f"{SHARDING_DIR}/{SHARDING_FILE}"]
+    elif cs.sharding_preset:
+        args += ["--sharding", cs.sharding_preset]
     if cs.expert > 1:
         args.append("--expert-parallel")
     return args
 
 
 def sharding_yaml(cs: CacheSpec) -> str:
-    """The rules file the agent reads with ``--sharding <file>``."""
-    return yaml.safe_dump({"rules": [r.as_dict() for r in cs.sharding_rules]}, sort_keys=False)
+    """The rules file the agent reads with ``--sharding <file>``: ``{preset?, rules}``.
+
+    Without a preset the agent puts the rules in front of the preset it picks from
+    config.json; with ``preset: none`` the rules stand alone.
+    """
+    doc: dict[str, Any] = {}
+    if cs.sharding_preset:
+        doc["preset"] = cs.sharding_preset
+    doc["rules"] = [r.as_dict() for r in cs.sharding_rules]
+    return yaml.safe_dump(doc, sort_keys=False)
 
 
 def render_sharding_configmap(cs: CacheSpec, namespace: str, name: str) -> dict[str, Any] | None:

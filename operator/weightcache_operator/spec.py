@@ -24,7 +24,8 @@ REFUSED_WHY = (
     "use none or fp8-block."
 )
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-SPLITS = ("column", "row", "replicated", "expert")
+# Rule modes the agent knows (node_agent sharding.MODES).
+MODES = ("column", "row", "vocab", "replicated")
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _PRESET = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -42,11 +43,11 @@ class SpecError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class ShardingRule:
     pattern: str
-    split: str
+    mode: str
     dim: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"pattern": self.pattern, "split": self.split}
+        out: dict[str, Any] = {"pattern": self.pattern, "mode": self.mode}
         if self.dim is not None:
             out["dim"] = self.dim
         return out
@@ -143,33 +144,29 @@ def _sharding(spec: Mapping[str, Any]) -> tuple[str | None, tuple[ShardingRule, 
     if not isinstance(sharding, Mapping):
         raise SpecError("InvalidSharding", "spec.sharding must be an object with preset or rules")
     preset, rules = sharding.get("preset"), sharding.get("rules")
-    if preset is not None and rules is not None:
-        raise SpecError("InvalidSharding", "set sharding.preset or sharding.rules, not both.")
-    if preset is not None:
-        if not isinstance(preset, str) or len(preset) > 63 or not _PRESET.match(preset):
-            raise SpecError("InvalidSharding", f"sharding.preset {preset!r} is not a preset name")
-        return preset, ()
+    if preset is not None and (not isinstance(preset, str) or len(preset) > 63 or not _PRESET.match(preset)):
+        raise SpecError("InvalidSharding", f"sharding.preset {preset!r} is not a preset name")
     if rules is None:
-        return None, ()
+        return preset, ()
     if not isinstance(rules, Sequence) or isinstance(rules, str) or not 1 <= len(rules) <= 256:
         raise SpecError("InvalidSharding", "sharding.rules must be a list of 1..256 rules")
     out = []
     for i, rule in enumerate(rules):
         if not isinstance(rule, Mapping):
             raise SpecError("InvalidSharding", f"sharding.rules[{i}] must be an object")
-        pattern, split, dim = rule.get("pattern"), rule.get("split"), rule.get("dim")
+        pattern, mode, dim = rule.get("pattern"), rule.get("mode"), rule.get("dim")
         if not isinstance(pattern, str) or not pattern:
             raise SpecError("InvalidSharding", f"sharding.rules[{i}].pattern must be a non-empty regex")
         try:
             re.compile(pattern)
         except re.error as e:
             raise SpecError("InvalidSharding", f"sharding.rules[{i}].pattern is not a regex: {e}") from None
-        if split not in SPLITS:
-            raise SpecError("InvalidSharding", f"sharding.rules[{i}].split must be one of {', '.join(SPLITS)}")
+        if mode not in MODES:
+            raise SpecError("InvalidSharding", f"sharding.rules[{i}].mode must be one of {', '.join(MODES)}")
         if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or not 0 <= dim <= 7):
             raise SpecError("InvalidSharding", f"sharding.rules[{i}].dim must be an integer 0..7")
-        out.append(ShardingRule(pattern=pattern, split=split, dim=dim))
-    return None, tuple(out)
+        out.append(ShardingRule(pattern=pattern, mode=mode, dim=dim))
+    return preset, tuple(out)
 
 
 def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
