@@ -38,12 +38,12 @@ class DemoSize:
 
 SIZES = {
     # for tests and a first look: loads in milliseconds, so timings mean little
-    "small": DemoSize("tiny, for tests", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
+    "small": DemoSize("17 MB, for tests", dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
                                               num_attention_heads=4, num_key_value_heads=2, vocab_size=32000)),
     # the default: big enough that a disk load is visibly slower than an attach
-    "medium": DemoSize("default", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+    "medium": DemoSize("320 MB, the default", dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
                                        num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)),
-    "large": DemoSize("1.3B parameters, several GB", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
+    "large": DemoSize("1.1B parameters, 2.2 GB", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=20,
                                                           num_attention_heads=16, num_key_value_heads=8, vocab_size=32000)),
 }
 
