@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from engine_fixtures import pid_alive, processes_mentioning, short_run_dir
+from engine_fixtures import pid_alive, processes_mentioning
 
 DEMO = [sys.executable, "-m", "weightcache_agent", "demo", "--size", "small", "--timeout", "60"]
 
@@ -51,8 +51,8 @@ def test_demo_runs_end_to_end_and_leaves_nothing(cache_dir):
     assert not os.path.exists(summary["run_dir"])  # a run dir the demo made is removed whole
 
 
-def test_demo_ctrl_c_stops_everything(cache_dir):
-    run_dir = os.path.join(short_run_dir(), "run")
+def test_demo_ctrl_c_stops_everything(cache_dir, tmp_path):
+    run_dir = str(tmp_path / "run")  # given by the user: the demo keeps the directory, removes its sockets
     proc = subprocess.Popen([*DEMO, "--dir", cache_dir, "--run-dir", run_dir], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     pids: list[int] = []
