@@ -12,9 +12,9 @@ death mid-handshake -- is logged and dropped; nobody else notices.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import itertools
+import json
 import logging
 import os
 import socket
@@ -48,9 +48,10 @@ class Lease:
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "pid": self.pid, "role": self.role, "group": self.group, "attached_at": self.since}
 
-    def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+    def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
+             encoded: dict[str, bytes] | None = None) -> None:
         with self.send_lock:
-            protocol.send_message(self.conn, message, fds)
+            protocol.send_message(self.conn, message, fds, encoded)
 
 
 class Agent:
@@ -64,6 +65,7 @@ class Agent:
         self.error: str | None = None
         self.progress = LoadProgress()
         self.cache: LoadedCache | None = None
+        self._manifest = b"[]"
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
         self._ready = threading.Event()
@@ -106,6 +108,8 @@ class Agent:
             self.phase, self.error = "failed", str(e)
             self._ready.set()  # wake waiting attaches so they get the error
             raise
+        # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
+        self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
         self.phase = "ready"
         self._ready.set()
 
@@ -255,10 +259,9 @@ class Agent:
             "fields": cache.fields,
             "layout_hash": cache.layout.layout_hash,
             "arenas": [{"index": 0, "size": cache.layout.size, "backend": cache.arena.backend}],
-            "tensors": cache.layout.to_manifest(),
         }
         try:
-            lease.send(reply, [cache.arena.fd])
+            lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
         except BaseException:
             self._end_lease(lease)
             raise

@@ -217,13 +217,24 @@ def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
     arena = manifest["arenas"][0]
     if manifest.get("backend", "cpu") != "cpu":
         raise AttachError(f"agent serves the {manifest['backend']!r} backend, which this client cannot map")
+    base = map_readonly(fds[0], arena["size"])
+    typed: dict[str, torch.Tensor] = {}
+    views = {}
+    # One pass over the manifest, checking bounds as it goes: this loop is most of an attach.
     try:
-        layout = ArenaLayout.from_manifest(manifest["tensors"], arena["size"])
+        for entry in manifest["tensors"]:
+            dtype_key, shape, stride, offset = entry["dtype"], entry["shape"], entry["stride"], entry["offset"]
+            whole = typed.get(dtype_key)
+            if whole is None:
+                whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
+            itemsize = whole.element_size()
+            end = offset + (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize if all(shape) else offset
+            if offset < 0 or offset % itemsize or end > arena["size"]:
+                raise ValueError(f"tensor {entry['name']!r} at offset {offset} does not fit an arena of {arena['size']} bytes")
+            views[entry["name"]] = whole.as_strided(shape, stride, offset // itemsize)
     except (KeyError, TypeError, ValueError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
-    if layout.layout_hash != manifest["layout_hash"]:
-        raise ProtocolError(f"manifest layout hash {layout.layout_hash} != announced {manifest['layout_hash']}")
-    return views_of(map_readonly(fds[0], arena["size"]), layout)
+    return views
 
 
 def views_of(base: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ arena and an engine rebuilding views can both check they agree on every byte.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -32,7 +33,7 @@ class TensorSlot:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def stride(self) -> tuple[int, ...]:
         stride, acc = [], 1
         for dim in reversed(self.shape):

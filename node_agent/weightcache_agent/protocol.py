@@ -34,8 +34,12 @@ MAX_REPLY_BYTES = 256 << 20  # what a client accepts from the agent (manifests o
 MAX_FDS = 64
 
 
-def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()) -> None:
+def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
+                 encoded: dict[str, bytes] | None = None) -> None:
+    """Send one frame. `encoded` adds members already serialised to JSON (a cached manifest)."""
     body = json.dumps(message, separators=(",", ":")).encode()
+    if encoded:
+        body = body[:-1] + b"".join(b',"%s":%s' % (key.encode(), value) for key, value in encoded.items()) + b"}"
     header = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body))
     if fds:
         sent = socket.send_fds(sock, [header], list(fds))

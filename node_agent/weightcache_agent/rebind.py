@@ -9,7 +9,7 @@ meta afterwards, or a shape/dtype that disagrees, is an `AttachError` listing ev
 """
 from __future__ import annotations
 
-from typing import Iterable
+import gc
 
 import torch
 from torch import nn
@@ -21,37 +21,41 @@ _MAX_LISTED = 12
 
 def rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True) -> dict[str, int]:
     """Rebind `module` to `tensors` (name -> tensor). Returns counts per kind."""
-    modules = dict(module.named_modules(remove_duplicate=False))
-    param_names = _aliases(module.named_parameters(remove_duplicate=False))
-    buffer_names = _aliases(module.named_buffers(remove_duplicate=False))
+    # Thousands of new Parameter objects would trigger full GC passes over the whole model mid-rebind.
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _rebind(module, tensors, strict)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -> dict[str, int]:
+    modules, params, buffers = _slots(module)
     problems: list[str] = []
     counts = {"parameters": 0, "buffers": 0, "extra": 0}
     claimed: set[str] = set()
+    unbound: list[tuple[str, torch.Tensor]] = []
 
-    for names in param_names.values():
-        source = next((n for n in names if n in tensors), None)
-        if source is None:
-            continue
-        view = tensors[source]
-        if _check(source, modules, names, view, problems, is_param=True):
-            new = nn.Parameter(view, requires_grad=False)
+    for kind, groups in (("parameters", params), ("buffers", buffers)):
+        for current, names in groups:
+            claimed.update(names)
+            source = names[0] if names[0] in tensors else next((n for n in names[1:] if n in tensors), None)
+            if source is None:
+                unbound.append((names[0], current))
+                continue
+            view = tensors[source]
+            if current.shape != view.shape or current.dtype != view.dtype:
+                problems.append(f"{source}: model expects {tuple(current.shape)} {_dt(current.dtype)}, cache holds "
+                                f"{tuple(view.shape)} {_dt(view.dtype)}")
+                unbound.append((names[0], current))
+                continue
+            new = nn.Parameter(view, requires_grad=False) if kind == "parameters" else view
             for name in names:
                 prefix, _, leaf = name.rpartition(".")
-                modules[prefix]._parameters[leaf] = new
-            counts["parameters"] += 1
-        claimed.update(names)
-
-    for names in buffer_names.values():
-        source = next((n for n in names if n in tensors), None)
-        if source is None:
-            continue
-        view = tensors[source]
-        if _check(source, modules, names, view, problems, is_param=False):
-            for name in names:
-                prefix, _, leaf = name.rpartition(".")
-                modules[prefix]._buffers[leaf] = view
-            counts["buffers"] += 1
-        claimed.update(names)
+                getattr(modules[prefix], "_" + kind)[leaf] = new
+            counts[kind] += 1
 
     for name, view in tensors.items():
         if name in claimed:
@@ -66,8 +70,7 @@ def rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = T
         owner.register_buffer(leaf, view, persistent=True)
         counts["extra"] += 1
 
-    left = [n for n, p in module.named_parameters() if p.is_meta] + [n for n, b in module.named_buffers() if b.is_meta]
-    problems += [f"{n}: still on the meta device (not in the cache)" for n in left]
+    problems += [f"{name}: still on the meta device (not in the cache)" for name, t in unbound if t.is_meta]
     if problems:
         shown = "; ".join(problems[:_MAX_LISTED])
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
@@ -75,24 +78,28 @@ def rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = T
     return counts
 
 
-def _aliases(named: Iterable[tuple[str, torch.Tensor]]) -> dict[int, list[str]]:
-    by_id: dict[int, list[str]] = {}
-    for name, tensor in named:
-        by_id.setdefault(id(tensor), []).append(name)
-    return by_id
+Group = tuple[torch.Tensor, list[str]]
 
 
-def _check(source: str, modules: dict[str, nn.Module], names: list[str], view: torch.Tensor,
-           problems: list[str], is_param: bool) -> bool:
-    prefix, _, leaf = names[0].rpartition(".")
-    current = (modules[prefix]._parameters if is_param else modules[prefix]._buffers)[leaf]
-    if current is None:
-        return True
-    if tuple(current.shape) != tuple(view.shape) or current.dtype != view.dtype:
-        problems.append(f"{source}: model expects {tuple(current.shape)} {_dt(current.dtype)}, cache holds "
-                        f"{tuple(view.shape)} {_dt(view.dtype)}")
-        return False
-    return True
+def _slots(module: nn.Module) -> tuple[dict[str, nn.Module], list[Group], list[Group]]:
+    """One walk of the module tree: every submodule by name, and every parameter/buffer with all
+    the names it is reachable under (tied weights, shared submodules)."""
+    modules: dict[str, nn.Module] = {}
+    params: dict[int, Group] = {}
+    buffers: dict[int, Group] = {}
+    stack = [("", module)]
+    while stack:
+        prefix, mod = stack.pop()
+        modules[prefix] = mod
+        dot = prefix + "." if prefix else ""
+        for table, found in ((mod._parameters, params), (mod._buffers, buffers)):
+            for leaf, tensor in table.items():
+                if tensor is not None:
+                    found.setdefault(id(tensor), (tensor, []))[1].append(dot + leaf)
+        for name, child in mod._modules.items():
+            if child is not None:
+                stack.append((dot + name, child))
+    return modules, list(params.values()), list(buffers.values())
 
 
 def _dt(dtype: torch.dtype) -> str:
