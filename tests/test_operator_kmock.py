@@ -339,3 +339,31 @@ async def test_foreign_daemonset_with_our_name_is_not_taken_over(cluster: KubeCl
         assert "not controlled by this WeightCache" in degraded["message"]
     assert requests_of(kmock, "PATCH", "daemonsets") == []
     assert ds_of(kmock, "llama")["metadata"]["labels"] == {"team": "other"}
+
+
+async def test_weightcache_operator_command_runs_against_the_cluster(cluster: KubeClient, kmock: Any, tmp_path: Any) -> None:
+    """The real entry point in its own process: flags, env settings, kopf.run, SIGTERM."""
+    import os
+    import signal
+    import sys
+
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig-cli", str(kmock.url))
+    env = {**os.environ, "WEIGHTCACHE_AGENT_IMAGE": "registry.local/agent:cli", "WEIGHTCACHE_PRIORITY_CLASS": ""}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import sys; from weightcache_agent.cli import main; sys.exit(main())",
+        "operator", "--all-namespaces", "--kubeconfig", str(kubeconfig), "--poll-interval", "1",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    output = b""
+    try:
+        await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+        ds = await wait_for(lambda: ds_of(kmock, "llama"), timeout=20, what="the DaemonSet from the CLI operator")
+        assert container_of(ds)["image"] == "registry.local/agent:cli"
+        assert "priorityClassName" not in ds["spec"]["template"]["spec"]
+    except AssertionError:
+        proc.kill()
+        output, _ = await proc.communicate()
+        raise AssertionError(output.decode()[-3000:]) from None
+    # kopf stops on SIGTERM (it gives lingering timers a few seconds before cancelling them).
+    proc.send_signal(signal.SIGTERM)
+    output, _ = await asyncio.wait_for(proc.communicate(), timeout=20)
+    assert proc.returncode == 0, output.decode()[-3000:]

@@ -61,6 +61,14 @@ def main(argv: list[str]) -> int:
     import kopf
 
     from .handlers import build_registry, build_settings
+    from .kube import load_client_configuration
+
+    # Fail fast on missing credentials; kopf would retry the login forever.
+    try:
+        load_client_configuration(args.kubeconfig, args.context)
+    except Exception as e:  # the client raises ConfigException, OSError, yaml errors...
+        print(f"weightcache operator: cannot load Kubernetes credentials: {e}", file=sys.stderr)
+        return 2
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
