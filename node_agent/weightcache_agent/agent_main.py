@@ -1,5 +1,8 @@
 """`weightcache agent`: parse flags, load the model, serve until SIGTERM.
 
+With `--socket` this process is one agent serving one rank; with `--socket-dir` it is the
+node supervisor (supervisor.py), which runs one `--socket` agent per rank as a worker.
+
 Exit status: 0 after a clean shutdown, 1 when the checkpoint or memory says no,
 2 for a refused spec (bad flag, refused quantization method), 3 when another agent
 already serves the socket.
@@ -22,7 +25,15 @@ log = logging.getLogger("weightcache.agent")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache agent", description="Load a model once and serve it zero-copy to engines.")
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
-    p.add_argument("--socket", required=True, help="Unix socket path to serve on")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--socket", help="Unix socket path to serve one rank on")
+    where.add_argument("--socket-dir", help="node mode: run one worker per rank, each serving <dir>/<GPU-UUID>.sock")
+    node = p.add_argument_group("node mode (with --socket-dir)")
+    node.add_argument("--devices", default="all", help='"all", or a comma list of GPU ordinals and/or UUIDs')
+    node.add_argument("--http-port", type=int, default=9464, help="health, metrics and status over HTTP (0: any free port)")
+    node.add_argument("--http-host", default="", help="address to listen on (default: every address, IPv4 and IPv6)")
+    node.add_argument("--port-file", help="write the HTTP port here once listening")
+    node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu"), default="auto")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--quantization", default="none", help="none | fp8-block")
@@ -40,8 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     configure(args.log_format)
+    if args.socket_dir is not None:
+        from .supervisor import run_node
+
+        return run_node(args, parser)
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,

@@ -1,0 +1,210 @@
+"""The node agent's HTTP face: probes for the kubelet, metrics for Prometheus, status for the operator.
+
+    GET /healthz  200 while the supervisor loop runs (liveness), else 503
+    GET /readyz   200 once every rank on the node is loaded (readiness), else 503
+    GET /status   the node status document (supervisor.NodeSupervisor.snapshot) as JSON
+    GET /metrics  Prometheus text exposition from a registry of our own
+
+Every handler reads the supervisor's last published document; none waits on a worker,
+so a probe answers in microseconds even while a rank is wedged. Gauges are produced at
+scrape time from that document (a custom collector); the attach latency histogram is a
+real cumulative `Histogram` the supervisor feeds with each new attach it sees, so it
+survives worker restarts the way Prometheus expects counters to.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import socketserver
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Iterable, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger("weightcache.http")
+
+# Attach is milliseconds when things are right; the upper buckets catch an agent that
+# makes engines wait (still loading, contention).
+ATTACH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+RANK_LABELS = ("rank", "device")
+REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request
+
+
+class StatusSource(Protocol):
+    def snapshot(self) -> dict[str, Any]: ...
+
+    def ready(self) -> bool: ...
+
+    def healthy(self) -> tuple[bool, str]: ...
+
+
+class AgentMetrics:
+    """The agent's Prometheus registry: per-rank gauges from the status, plus the attach histogram."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.attach_seconds = Histogram("weightcache_attach_seconds", "Time from an engine's attach request to the "
+                                        "manifest and arena fd sent, per rank", RANK_LABELS, buckets=ATTACH_BUCKETS,
+                                        registry=self.registry)
+        self._snapshot: Callable[[], dict[str, Any]] = lambda: {"ranks": []}
+        self.registry.register(_StatusCollector(lambda: self._snapshot()))
+
+    def watch(self, snapshot: Callable[[], dict[str, Any]], ranks: Iterable[tuple[int, str]] = ()) -> None:
+        """Read gauges from `snapshot`; `ranks` get an empty histogram now, so they show before any attach."""
+        self._snapshot = snapshot
+        for rank, device in ranks:
+            self.attach_seconds.labels(str(rank), device)
+
+    def observe_attach(self, rank: int, device: str, seconds: float) -> None:
+        self.attach_seconds.labels(str(rank), device).observe(seconds)
+
+
+class _StatusCollector:
+    """Gauges and counters built at scrape time from the supervisor's last status document."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]):
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        return list(self._families([]))
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families(self._snapshot().get("ranks", []))
+
+    @staticmethod
+    def _families(ranks: list[dict[str, Any]]) -> list[Metric]:
+        resident = GaugeMetricFamily("weightcache_bytes_resident", "Bytes of weights this rank holds resident",
+                                     labels=RANK_LABELS)
+        clients = GaugeMetricFamily("weightcache_clients", "Engines attached to this rank", labels=RANK_LABELS)
+        load = GaugeMetricFamily("weightcache_load_seconds", "Seconds the rank's last load took (absent until loaded)",
+                                 labels=RANK_LABELS)
+        ready = GaugeMetricFamily("weightcache_rank_ready", "1 when the rank is loaded and serving, else 0",
+                                  labels=RANK_LABELS)
+        restarts = CounterMetricFamily("weightcache_worker_restarts", "Times the supervisor restarted this rank's "
+                                       "worker", labels=RANK_LABELS)
+        for r in ranks:
+            labels = [str(r["rank"]), r["device"]]
+            resident.add_metric(labels, r["bytes"])
+            clients.add_metric(labels, r["clients"])
+            if r.get("loadSeconds") is not None:
+                load.add_metric(labels, r["loadSeconds"])
+            ready.add_metric(labels, 1.0 if r["phase"] == "Ready" else 0.0)
+            restarts.add_metric(labels, r["restarts"])
+        return [resident, clients, load, ready, restarts]
+
+
+class _DualStackServer(ThreadingHTTPServer):
+    """Listens on IPv6 and IPv4 at once (pod IPs may be either)."""
+
+    address_family = socket.AF_INET6
+
+    def server_bind(self) -> None:
+        with contextlib.suppress(OSError, AttributeError):
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        _bind_without_dns(self)
+
+
+class _Ipv4Server(ThreadingHTTPServer):
+    def server_bind(self) -> None:
+        _bind_without_dns(self)
+
+
+def _bind_without_dns(server: ThreadingHTTPServer) -> None:
+    # HTTPServer.server_bind resolves its own name with getfqdn(): a reverse DNS lookup
+    # that can hang for seconds in a pod without working DNS. Nothing here needs it.
+    socketserver.TCPServer.server_bind(server)
+    server.server_name, server.server_port = "weightcache-agent", server.server_address[1]
+
+
+class AgentHTTPServer:
+    """The endpoints above on `host:port` (port 0: any free port, see `.port`), served from threads."""
+
+    def __init__(self, host: str, port: int, source: StatusSource, registry: CollectorRegistry):
+        handler = type("Handler", (_Handler,), {"source": source, "registry": registry})
+        self._server = _make_server(host, port, handler)
+        self.port: int = self._server.server_address[1]
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
+                                        name="http", daemon=True)
+        self._thread.start()
+        host = self._server.server_address[0]
+        log.info("http listening on %s:%d (/healthz /readyz /status /metrics)",
+                 f"[{host}]" if ":" in host else host, self.port)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(5.0)
+        self._server.server_close()
+
+
+def _make_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+    if host in ("", "::"):
+        try:
+            return _DualStackServer(("::", port), handler)
+        except OSError as e:
+            if host == "::":
+                raise
+            log.info("no IPv6 here (%s); listening on IPv4 only", e)
+        return _Ipv4Server(("0.0.0.0", port), handler)
+    if ":" in host:
+        server_class = type("_Ipv6Server", (_Ipv4Server,), {"address_family": socket.AF_INET6})
+        return server_class((host, port), handler)
+    return _Ipv4Server((host, port), handler)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    source: StatusSource
+    registry: CollectorRegistry
+    timeout = REQUEST_TIMEOUT
+    server_version = "weightcache-agent"
+
+    def do_GET(self) -> None:
+        self._route(send_body=True)
+
+    def do_HEAD(self) -> None:
+        self._route(send_body=False)
+
+    def _route(self, send_body: bool) -> None:
+        path = self.path.split("?", 1)[0]
+        try:
+            if path == "/healthz":
+                ok, why = self.source.healthy()
+                self._json(200 if ok else 503, {"ok": ok, "message": why}, send_body)
+            elif path == "/readyz":
+                doc = self.source.snapshot()
+                ready = self.source.ready()
+                self._json(200 if ready else 503, {"ready": ready, "phase": doc["phase"], "message": doc["message"]},
+                           send_body)
+            elif path == "/status":
+                self._json(200, self.source.snapshot(), send_body)
+            elif path == "/metrics":
+                self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.registry), send_body)
+            else:
+                self._json(404, {"error": f"no such endpoint {path!r}; try /healthz /readyz /status /metrics"},
+                           send_body)
+        except Exception:  # one bad request must not look like a dead agent
+            log.exception("GET %s failed", path)
+            self._json(500, {"error": "internal error; see the agent's log"}, send_body)
+
+    def _json(self, code: int, doc: Any, send_body: bool) -> None:
+        self._send(code, "application/json", json.dumps(doc).encode(), send_body)
+
+    def _send(self, code: int, content_type: str, body: bytes, send_body: bool) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        if send_body:
+            self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # Probes arrive every few seconds: access lines only at debug level.
+        log.debug("%s %s", self.address_string(), format % args)

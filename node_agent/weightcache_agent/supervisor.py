@@ -1,0 +1,489 @@
+"""The node supervisor: one agent pod serves every rank that lives on its node.
+
+`weightcache agent --socket-dir DIR --tp-size N --devices all ...` runs here. Each rank
+gets its own worker process -- a plain single-socket agent (`weightcache agent --socket
+DIR/<GPU-UUID>.sock --tp-rank R ...`) with its own arena -- so a crash in one rank's
+loader or CUDA context cannot take the others' memory with it.
+
+Data flow, all on the main thread (the only thread that ever starts a worker, because
+a worker's parent-death signal fires when the *thread* that forked it exits):
+
+    every POLL_INTERVAL:  for each worker
+        process exited?  -> classify the exit status: crash -> restart with backoff;
+                            1 (checkpoint/memory said no) -> Failed, slow retry;
+                            2 (refused spec) -> Failed for good
+        alive?           -> ask its socket for status (`client.agent_status`), keep it,
+                            hand new attach latencies to the metrics
+    -> build one node status document (`snapshot()`), swapped in atomically
+
+The HTTP endpoints (agent_http.py) only ever read the last document, so a slow or hung
+worker can never block a probe. Worker output goes to this process's stderr, tagged with
+rank and device (so `kubectl logs` shows all ranks), and its tail is kept to explain a
+failure.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, TextIO
+
+from .client import agent_status
+from .devices import Device, resolve_backend, select_devices
+from .errors import WeightCacheError
+
+log = logging.getLogger("weightcache.supervisor")
+
+POLL_INTERVAL = 0.5  # seconds between status polls of every worker
+POLL_TIMEOUT = 2.0  # a worker's status answer slower than this counts as no answer
+STALE_AFTER = 10.0  # a live worker silent this long is not counted ready
+CRASH_BACKOFF = (1.0, 60.0)  # first delay and cap before restarting a crashed worker
+FAILED_RETRY = (300.0, 3600.0)  # exit 1: the input may get fixed (a mount appears, memory frees)
+HEARTBEAT_LIMIT = 30.0  # /healthz fails when the main loop has not ticked for this long
+STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL; below the DaemonSet's 30 s grace period
+TAIL_LINES = 40
+
+# Exit statuses of `weightcache agent --socket` (agent_main.py).
+EXIT_LOAD_FAILED = 1
+EXIT_REFUSED_SPEC = 2
+
+# Worker phases as the agent reports them -> the node-level vocabulary.
+_WORKER_PHASES = {
+    "starting": "Pending",
+    "preparing": "Loading",
+    "adopting": "Loading",
+    "loading": "Loading",
+    "ready": "Ready",
+    "failed": "Failed",
+}
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True)  # resolved now: the forked child only calls it
+
+
+def _die_with_parent() -> None:
+    # A supervisor killed outright must not leave workers holding GPU memory.
+    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """What every worker on this node serves; one rank differs only in its device."""
+
+    model: str
+    socket_dir: str
+    tp_size: int
+    backend: str  # resolved: "cpu" or "cuda"
+    quantization: str = "none"
+    dtype: str = "auto"
+    revision: str | None = None
+    sharding: str | None = None
+    expert_parallel: bool = False
+    handshake_timeout: float = 10.0
+    log_format: str = "text"
+    node_name: str = ""
+
+    def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
+        argv = [sys.executable, "-m", "weightcache_agent", "agent",
+                "--model", self.model, "--socket", socket_path,
+                "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
+                "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
+                "--handshake-timeout", str(self.handshake_timeout),
+                "--log-format", self.log_format, "--progress", "never"]
+        if device.backend == "cuda":
+            argv += ["--device", device.uuid]
+        if self.revision:
+            argv += ["--revision", self.revision]
+        if self.sharding:
+            argv += ["--sharding", self.sharding]
+        if self.expert_parallel:
+            argv.append("--expert-parallel")
+        return argv
+
+
+class _LogForwarder:
+    """Copies one worker's output to our stderr, tagged, and keeps its tail."""
+
+    _write_lock = threading.Lock()
+
+    def __init__(self, stream: TextIO, rank: int, device: str, log_format: str, out: TextIO):
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._stream, self._rank, self._device, self._json, self._out = stream, rank, device, log_format == "json", out
+        self._thread = threading.Thread(target=self._pump, name=f"log-rank{rank}", daemon=True)
+        self._thread.start()
+
+    def _pump(self) -> None:
+        for line in self._stream:
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            self.tail.append(line)
+            with self._write_lock:
+                self._out.write(self._tag(line) + "\n")
+                self._out.flush()
+        self._stream.close()
+
+    def _tag(self, line: str) -> str:
+        if self._json:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                entry = None
+            if isinstance(entry, dict):
+                entry.update(rank=self._rank, device=self._device)
+                return json.dumps(entry)
+            return json.dumps({"level": "info", "logger": "weightcache.worker", "msg": line,
+                               "rank": self._rank, "device": self._device})
+        return f"[rank {self._rank} {self._device}] {line}"
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+
+def failure_message(tail: list[str], code: int) -> str:
+    """The reason a worker gave for exiting, from the last lines it printed."""
+    for line in reversed(tail):
+        if line.startswith("weightcache agent: "):  # agent_main prints refusals this way
+            return line.removeprefix("weightcache agent: ")
+    for line in reversed(tail):
+        if line.strip():
+            return f"exited with status {code}: {line.strip()}"
+    return f"exited with status {code}"
+
+
+class Worker:
+    """One rank: its process (across restarts), the last status it gave, and why it stopped."""
+
+    def __init__(self, rank: int, device: Device, config: NodeConfig,
+                 on_attach: Callable[[int, str, float], None] | None = None, out: TextIO | None = None):
+        self.rank, self.device, self.config = rank, device, config
+        self.socket = os.path.join(config.socket_dir, device.socket_name)
+        self.on_attach = on_attach
+        self.out = out or sys.stderr
+        self.proc: subprocess.Popen[str] | None = None
+        self.forwarder: _LogForwarder | None = None
+        self.status: dict[str, Any] | None = None  # last answer of the current process
+        self.last_answer = 0.0
+        self.started = 0.0
+        self.phase = "Pending"
+        self.message = ""
+        self.restarts = 0
+        self.spawned = 0
+        self.crashes = 0  # consecutive, for the backoff; reset once ready
+        self.failures = 0  # consecutive exit-1 failures, for the retry delay
+        self.next_start: float | None = 0.0  # monotonic time of the next spawn; None: never
+        self._seen_attaches = 0
+
+    # -- process -----------------------------------------------------------------------------
+
+    def spawn(self, now: float) -> None:
+        argv = self.config.worker_argv(self.rank, self.device, self.socket)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, errors="replace", start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        assert self.proc.stdout is not None
+        self.forwarder = _LogForwarder(self.proc.stdout, self.rank, self.device.uuid, self.config.log_format, self.out)
+        if self.spawned:
+            self.restarts += 1
+        self.spawned += 1
+        self.started, self.next_start = now, None
+        self.status, self.last_answer, self._seen_attaches = None, 0.0, 0
+        self.phase, self.message = "Pending", ""
+        log.info("rank %d (%s): worker pid=%d started%s", self.rank, self.device.uuid, self.proc.pid,
+                 f" (restart {self.restarts})" if self.restarts else "")
+
+    def tick(self, now: float) -> None:
+        """Advance this rank by one poll: start, reap, or ask for status."""
+        if self.proc is None:
+            if self.next_start is not None and now >= self.next_start:
+                self.spawn(now)
+            return
+        code = self.proc.poll()
+        if code is not None:
+            self._exited(code, now)
+            return
+        try:
+            status = agent_status(self.socket, timeout=POLL_TIMEOUT)
+        except (WeightCacheError, OSError, ValueError) as e:
+            if self.last_answer and now - self.last_answer > STALE_AFTER:
+                self.phase, self.message = "Unresponsive", f"worker stopped answering on its socket: {e}"
+            return
+        self.last_answer = now
+        self._observe_attaches(status)
+        self.status = status
+        self.phase = _WORKER_PHASES.get(str(status.get("phase")), "Pending")
+        self.message = str(status.get("error") or "") if self.phase == "Failed" else ""
+        if self.phase == "Ready":
+            self.crashes = self.failures = 0
+
+    def _observe_attaches(self, status: dict[str, Any]) -> None:
+        # `attaches` counts every attach; `attach_seconds` holds only recent ones, newest
+        # last. The difference since the last poll says how many of those are new.
+        attaches = status.get("attaches")
+        samples = status.get("attach_seconds")
+        if not isinstance(attaches, int):
+            return
+        new = attaches - self._seen_attaches
+        self._seen_attaches = attaches
+        if new <= 0 or not isinstance(samples, list) or self.on_attach is None:
+            return
+        for seconds in samples[-new:]:
+            if isinstance(seconds, (int, float)):
+                self.on_attach(self.rank, self.device.uuid, float(seconds))
+
+    def _exited(self, code: int, now: float) -> None:
+        assert self.proc is not None and self.forwarder is not None
+        self.forwarder.join(2.0)  # its last lines carry the reason
+        reason = failure_message(list(self.forwarder.tail), code)
+        pid = self.proc.pid
+        self.proc, self.forwarder, self.status = None, None, None
+        where = f"rank {self.rank} ({self.device.uuid})"
+        if code == EXIT_REFUSED_SPEC:
+            # The same flags would be refused again: only a new spec (a rolled pod) helps.
+            self.phase, self.message, self.next_start = "Failed", reason, None
+            log.error("%s: worker pid=%d refused the spec, not restarting: %s", where, pid, reason)
+        elif code == EXIT_LOAD_FAILED:
+            delay = min(FAILED_RETRY[0] * 2 ** self.failures, FAILED_RETRY[1])
+            self.failures += 1
+            self.phase, self.message, self.next_start = "Failed", reason, now + delay
+            log.error("%s: worker pid=%d failed to load, retrying in %.0fs: %s", where, pid, delay, reason)
+        else:
+            # Killed, crashed, or lost a race for its socket: transient, so restart, but
+            # back off so a worker that dies at once cannot spin.
+            delay = min(CRASH_BACKOFF[0] * 2 ** self.crashes, CRASH_BACKOFF[1])
+            self.crashes += 1
+            how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            self.phase, self.next_start = "Restarting", now + delay
+            self.message = f"worker {how}; restarting in {delay:.0f}s"
+            log.warning("%s: worker pid=%d %s, restarting in %.1fs (last output: %s)", where, pid, how, delay, reason)
+
+    def ready(self, now: float) -> bool:
+        return self.phase == "Ready" and now - self.last_answer <= STALE_AFTER
+
+    def terminate(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self, deadline: float) -> None:
+        """Wait for the process until `deadline` (monotonic), then SIGKILL it."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("rank %d: worker pid=%d ignored SIGTERM, killing it", self.rank, self.proc.pid)
+            self.proc.kill()
+            self.proc.wait()
+        if self.forwarder is not None:
+            self.forwarder.join(2.0)
+        self.proc, self.forwarder = None, None
+
+    def remove_socket(self) -> None:
+        # A clean worker removes its own socket; a killed one leaves it and its lock file.
+        # The `.state` file stays: it lets the next agent re-adopt arenas engines still map.
+        lock = os.path.join(os.path.dirname(self.socket), "." + os.path.basename(self.socket) + ".lock")
+        for path in (self.socket, lock):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    # -- reporting ---------------------------------------------------------------------------
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        status = self.status or {}
+        progress = status.get("progress") or {}
+        fraction = 1.0 if self.phase == "Ready" else float(progress.get("fraction") or 0.0)
+        load_seconds = status.get("load_seconds")
+        return {
+            "rank": self.rank,
+            "device": self.device.uuid,
+            "phase": "Ready" if self.ready(now) else ("Unresponsive" if self.phase == "Ready" else self.phase),
+            "bytes": int(status.get("bytes") or 0),
+            "progress": round(min(max(fraction, 0.0), 1.0), 4),
+            "clients": len(status.get("clients") or []),
+            "socket": self.socket,
+            "message": self.message,
+            "pid": self.proc.pid if self.proc is not None else None,
+            "restarts": self.restarts,
+            "loadSeconds": float(load_seconds) if isinstance(load_seconds, (int, float)) else None,
+            "fingerprint": status.get("fingerprint") or "",
+            "attaches": int(status.get("attaches") or 0),
+        }
+
+
+def node_phase(ranks: list[dict[str, Any]], setup_error: str | None) -> tuple[str, str]:
+    """(phase, message) of the node from its ranks: any Failed wins, then all Ready."""
+    if setup_error:
+        return "Failed", setup_error
+    if not ranks:
+        return "Pending", "no ranks to serve"
+    failed = [r for r in ranks if r["phase"] == "Failed"]
+    if failed:
+        return "Failed", "; ".join(f"rank {r['rank']} ({r['device']}): {r['message']}" for r in failed)
+    waiting = [r for r in ranks if r["phase"] != "Ready"]
+    if not waiting:
+        return "Ready", f"{len(ranks)}/{len(ranks)} ranks ready"
+    parts = []
+    for r in waiting:
+        if r["phase"] == "Loading":
+            parts.append(f"rank {r['rank']} ({r['device']}): loading {r['progress']:.0%}")
+        else:
+            parts.append(f"rank {r['rank']} ({r['device']}): {r['message'] or r['phase'].lower()}")
+    ready = len(ranks) - len(waiting)
+    if all(r["phase"] == "Pending" for r in waiting) and not ready:
+        return "Pending", f"starting {len(ranks)} workers"
+    return "Loading", f"{ready}/{len(ranks)} ranks ready; " + "; ".join(parts)
+
+
+def node_fingerprint(ranks: list[dict[str, Any]]) -> str:
+    """One identity for the node's whole shard set ("" until every rank has loaded)."""
+    if not ranks or not all(r["fingerprint"] for r in ranks):
+        return ""
+    joined = "\n".join(f"{r['rank']}:{r['fingerprint']}" for r in ranks)
+    return hashlib.sha256(joined.encode()).hexdigest()[:32]
+
+
+class NodeSupervisor:
+    """Runs the workers of one node and publishes their joint state."""
+
+    def __init__(self, config: NodeConfig, devices: list[Device], setup_error: str | None = None,
+                 on_attach: Callable[[int, str, float], None] | None = None, out: TextIO | None = None):
+        self.config = config
+        self.devices = devices
+        self.setup_error = setup_error
+        self.workers = [Worker(rank, device, config, on_attach, out) for rank, device in enumerate(devices)]
+        self._heartbeat = time.monotonic()
+        self._snapshot = self._build(self._heartbeat)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Supervise until `stop` is set, then stop every worker. Call from the main thread."""
+        os.makedirs(self.config.socket_dir, exist_ok=True)
+        log.info("node %s: serving %d rank(s) of %s on %s backend, sockets in %s", self.config.node_name,
+                 len(self.workers), self.config.model, self.config.backend, self.config.socket_dir)
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                for worker in self.workers:
+                    if stop.is_set():
+                        break
+                    worker.tick(now)
+                self._publish(time.monotonic())
+                stop.wait(POLL_INTERVAL)
+        finally:
+            self.shutdown()
+
+    def shutdown(self, timeout: float = STOP_TIMEOUT) -> None:
+        """SIGTERM every worker at once, SIGKILL what outlives `timeout`, remove the sockets."""
+        for worker in self.workers:
+            worker.terminate()
+        deadline = time.monotonic() + timeout
+        for worker in self.workers:
+            worker.reap(deadline)
+            worker.remove_socket()
+            worker.phase, worker.message, worker.status = "Pending", "stopped", None
+        self._publish(time.monotonic())
+        log.info("node %s: all workers stopped", self.config.node_name)
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _publish(self, now: float) -> None:
+        self._heartbeat = now
+        self._snapshot = self._build(now)  # one reference swap: readers never see half a document
+
+    def _build(self, now: float) -> dict[str, Any]:
+        ranks = [w.to_json(now) for w in self.workers]
+        phase, message = node_phase(ranks, self.setup_error)
+        load = [r["loadSeconds"] for r in ranks if r["loadSeconds"] is not None]
+        return {
+            "node": self.config.node_name,
+            "phase": phase,
+            "message": message,
+            "fingerprint": node_fingerprint(ranks),
+            "bytes": sum(r["bytes"] for r in ranks),
+            # Ranks load side by side: the node was ready when its slowest rank was.
+            "loadSeconds": round(max(load), 6) if load else 0.0,
+            "clients": sum(r["clients"] for r in ranks),
+            "gpuUUIDs": [d.uuid for d in self.devices],
+            "socketDir": self.config.socket_dir,
+            "backend": self.config.backend,
+            "model": self.config.model,
+            "revision": self.config.revision,
+            "tpSize": self.config.tp_size,
+            "restarts": sum(r["restarts"] for r in ranks),
+            "ranks": ranks,
+        }
+
+    def snapshot(self) -> dict[str, Any]:
+        """The node status document (the `/status` body); never blocks on a worker."""
+        return self._snapshot
+
+    def ready(self) -> bool:
+        return self._snapshot["phase"] == "Ready"
+
+    def healthy(self) -> tuple[bool, str]:
+        age = time.monotonic() - self._heartbeat
+        if age > HEARTBEAT_LIMIT:
+            return False, f"supervisor loop has not run for {age:.0f}s"
+        return True, "ok"
+
+
+def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`weightcache agent --socket-dir ...`: supervise this node's ranks and serve HTTP until SIGTERM."""
+    from .agent_http import AgentHTTPServer, AgentMetrics
+
+    if args.tp_size < 1:
+        parser.error(f"--tp-size must be at least 1, got {args.tp_size}")
+    if args.tp_rank != 0:
+        parser.error("--tp-rank names one worker's rank; with --socket-dir every rank runs here")
+    node_name = args.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
+    socket_dir = os.path.abspath(args.socket_dir)
+    setup_error = None
+    try:
+        backend = resolve_backend(args.backend)
+        devices = select_devices(backend, args.devices, args.tp_size)
+    except ValueError as e:
+        # Stay up and say why: the operator reads this from /status, a crash loop says less.
+        backend, devices, setup_error = args.backend, [], f"no devices to serve: {e}"
+        log.error("%s", setup_error)
+    config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
+                        backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
+                        sharding=args.sharding, expert_parallel=args.expert_parallel,
+                        handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name)
+    metrics = AgentMetrics()
+    supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
+    metrics.watch(supervisor.snapshot, [(rank, d.uuid) for rank, d in enumerate(devices)])
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry)
+    except OSError as e:
+        print(f"weightcache agent: cannot serve HTTP on port {args.http_port}: {e}", file=sys.stderr)
+        return 1
+    server.start()
+    if args.port_file:
+        tmp = args.port_file + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(server.port))
+        os.replace(tmp, args.port_file)
+    try:
+        supervisor.run(stop)
+    finally:
+        server.close()
+    log.info("shut down cleanly")
+    return 0

@@ -1,0 +1,265 @@
+"""The node supervisor as the DaemonSet runs it: real processes, real sockets, real HTTP.
+
+`weightcache agent --socket-dir DIR --tp-size 2 --backend cpu --http-port 0` must run one
+worker per rank, publish one node state on /status, /readyz and /metrics, restart a
+killed worker, refuse to restart-storm a bad checkpoint, and leave nothing behind on
+SIGTERM. The tests in this module share one supervisor and run in file order; the last
+one stops it.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from weightcache_agent import agent_status, protocol
+from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+
+SHAPE = LlamaShape(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=1024)
+STATUS_KEYS = {"node": str, "phase": str, "message": str, "fingerprint": str, "bytes": int, "loadSeconds": float,
+               "clients": int, "gpuUUIDs": list, "socketDir": str, "ranks": list}
+RANK_KEYS = {"rank": int, "device": str, "phase": str, "bytes": int, "progress": float, "clients": int, "socket": str}
+
+
+class Node:
+    """`weightcache agent --socket-dir ...` as a subprocess, asked over HTTP."""
+
+    def __init__(self, model: str, workdir: str, *extra: str):
+        self.socket_dir = os.path.join(workdir, "sockets")
+        self.port_file = os.path.join(workdir, "port")
+        self.log_path = os.path.join(workdir, "node.log")
+        os.makedirs(workdir, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", self.socket_dir,
+                 "--tp-size", "2", "--devices", "all", "--quantization", "none", "--dtype", "auto", "--backend", "cpu",
+                 "--http-port", "0", "--port-file", self.port_file, "--node-name", "node-a", *extra],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self._port: int | None = None
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def port(self) -> int:
+        deadline = time.monotonic() + 60
+        while self._port is None:
+            try:
+                with open(self.port_file) as f:
+                    self._port = int(f.read())
+            except (FileNotFoundError, ValueError):
+                assert self.proc.poll() is None, f"supervisor exited {self.proc.returncode}:\n{self.log()}"
+                assert time.monotonic() < deadline, f"supervisor never listened:\n{self.log()}"
+                time.sleep(0.05)
+        return self._port
+
+    def get(self, path: str) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path)
+            response = conn.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            conn.close()
+
+    def status(self) -> dict[str, Any]:
+        code, body = self.get("/status")
+        assert code == 200, body
+        return json.loads(body)
+
+    def metrics(self) -> dict[str, dict[tuple, float]]:
+        """sample name -> {sorted label items: value}."""
+        code, body = self.get("/metrics")
+        assert code == 200
+        out: dict[str, dict[tuple, float]] = {}
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                out.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+        return out
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"supervisor exited {self.proc.returncode}:\n{self.log()}"
+            status = self.status()
+            if predicate(status):
+                return status
+            assert time.monotonic() < deadline, f"no {what} after {timeout:.0f}s: {status}\n{self.log()}"
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def rank_labels(rank: int) -> tuple:
+    return (("device", f"cpu-{rank}"), ("rank", str(rank)))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes (its parent has not reaped it yet).
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    # Short: Unix socket paths are limited to 107 bytes, pytest's tmp_path can be longer.
+    path = tempfile.mkdtemp(prefix="wc-node-", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model(workdir) -> str:
+    return write_llama_checkpoint(os.path.join(workdir, "model"), SHAPE)
+
+
+@pytest.fixture(scope="module")
+def node(model, workdir):
+    node = Node(model, os.path.join(workdir, "good"))
+    yield node
+    node.stop()
+
+
+def test_two_ranks_ready_status_and_metrics(node):
+    status = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+    assert node.get("/readyz")[0] == 200
+    assert node.get("/healthz")[0] == 200
+    for key, kind in STATUS_KEYS.items():
+        assert isinstance(status[key], kind), (key, status[key])
+    assert status["node"] == "node-a"
+    assert status["socketDir"] == node.socket_dir
+    assert status["gpuUUIDs"] == ["cpu-0", "cpu-1"]
+    assert status["fingerprint"]
+    assert [r["rank"] for r in status["ranks"]] == [0, 1]
+
+    workers = []
+    for r in status["ranks"]:
+        for key, kind in RANK_KEYS.items():
+            assert isinstance(r[key], kind), (key, r[key])
+        assert r["socket"] == os.path.join(node.socket_dir, f"{r['device']}.sock")
+        assert (r["phase"], r["progress"], r["clients"]) == ("Ready", 1.0, 0)
+        worker = agent_status(r["socket"])  # what the worker itself says
+        assert worker["phase"] == "ready" and worker["spec"]["tp_rank"] == r["rank"]
+        assert r["bytes"] == worker["bytes"] > 0
+        assert r["loadSeconds"] == pytest.approx(worker["load_seconds"])
+        workers.append(worker)
+    assert workers[0]["fingerprint"] != workers[1]["fingerprint"]  # two shards, not one copy twice
+    assert status["bytes"] == sum(w["bytes"] for w in workers)
+    assert status["loadSeconds"] == pytest.approx(max(w["load_seconds"] for w in workers), abs=1e-5)
+    assert node.get("/nope")[0] == 404
+
+    # An engine attaches to rank 0 over the real protocol and holds its lease.
+    engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    engine.connect(status["ranks"][0]["socket"])
+    protocol.send_message(engine, {"type": "attach", "pid": os.getpid(), "role": "primary", "group": None,
+                                   "fields": workers[0]["fields"]})
+    reply, fds = protocol.recv_message(engine, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    for fd in fds:
+        os.close(fd)
+    assert reply["type"] == "manifest", reply
+    try:
+        status = node.wait(lambda s: s["clients"] == 1, "attached client", timeout=10)
+        assert [r["clients"] for r in status["ranks"]] == [1, 0]
+        deadline = time.monotonic() + 10
+        while (m := node.metrics())["weightcache_attach_seconds_count"][rank_labels(0)] < 1:
+            assert time.monotonic() < deadline, m["weightcache_attach_seconds_count"]
+            time.sleep(0.1)
+    finally:
+        engine.close()
+
+    for rank, worker in enumerate(workers):
+        labels = rank_labels(rank)
+        assert m["weightcache_bytes_resident"][labels] == worker["bytes"]
+        assert m["weightcache_load_seconds"][labels] == pytest.approx(worker["load_seconds"])
+        assert m["weightcache_rank_ready"][labels] == 1
+        assert m["weightcache_worker_restarts_total"][labels] == 0
+    assert m["weightcache_clients"][rank_labels(0)] == 1
+    assert m["weightcache_clients"][rank_labels(1)] == 0
+    assert m["weightcache_attach_seconds_count"][rank_labels(0)] == 1
+    assert m["weightcache_attach_seconds_count"][rank_labels(1)] == 0
+    assert 0 < m["weightcache_attach_seconds_sum"][rank_labels(0)] < 5
+    assert m["weightcache_attach_seconds_bucket"][rank_labels(0)[:1] + (("le", "+Inf"),) + rank_labels(0)[1:]] == 1
+
+
+def test_killed_worker_is_restarted(node):
+    before = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+    victim = before["ranks"][1]
+    os.kill(victim["pid"], signal.SIGKILL)
+
+    # The restart takes a backoff plus a Python start-up: the node is seen not ready meanwhile.
+    node.wait(lambda s: s["phase"] != "Ready", "not-ready node after the kill", timeout=10)
+    assert node.get("/readyz")[0] == 503
+    after = node.wait(lambda s: s["phase"] == "Ready" and s["ranks"][1]["restarts"] == 1, "restarted rank 1")
+    assert after["ranks"][1]["pid"] != victim["pid"]
+    assert after["ranks"][0]["pid"] == before["ranks"][0]["pid"] and after["ranks"][0]["restarts"] == 0
+    assert after["ranks"][1]["bytes"] == victim["bytes"]
+    assert after["restarts"] == 1
+    assert after["fingerprint"] == before["fingerprint"]
+    assert node.get("/readyz")[0] == 200
+    m = node.metrics()
+    assert m["weightcache_worker_restarts_total"][rank_labels(1)] == 1
+    assert m["weightcache_worker_restarts_total"][rank_labels(0)] == 0
+    assert m["weightcache_rank_ready"][rank_labels(1)] == 1
+    # The histogram is cumulative across the restart: rank 0's attach is still counted.
+    assert m["weightcache_attach_seconds_count"][rank_labels(0)] == 1
+
+
+def test_bad_checkpoint_fails_without_restarts(model, workdir):
+    bad = shutil.copytree(model, os.path.join(workdir, "bad-model"))
+    weights = os.path.join(bad, "model.safetensors")
+    os.truncate(weights, os.path.getsize(weights) // 2)
+    node = Node(bad, os.path.join(workdir, "bad"))
+    try:
+        status = node.wait(lambda s: s["phase"] == "Failed" and all(r["phase"] == "Failed" for r in s["ranks"]),
+                           "Failed node")
+        assert "model.safetensors" in status["message"] and "truncated" in status["message"]
+        assert all("truncated" in r["message"] and r["pid"] is None for r in status["ranks"])
+        assert node.get("/readyz")[0] == 503
+        assert node.get("/healthz")[0] == 200  # alive and saying why: no pod crash loop
+        time.sleep(2.5)  # several poll intervals: a hot restart loop would show by now
+        status = node.status()
+        assert status["phase"] == "Failed"
+        assert [r["restarts"] for r in status["ranks"]] == [0, 0]
+        assert [r["pid"] for r in status["ranks"]] == [None, None]
+        m = node.metrics()
+        assert m["weightcache_rank_ready"][rank_labels(0)] == 0
+        assert sum(m["weightcache_worker_restarts_total"].values()) == 0
+    finally:
+        assert node.stop() == 0
+
+
+def test_sigterm_stops_workers_and_removes_sockets(node):
+    status = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+    pids = [r["pid"] for r in status["ranks"]]
+    assert all(os.path.exists(r["socket"]) for r in status["ranks"])
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(30) == 0, node.log()
+    assert not any(alive(pid) for pid in pids)
+    leftovers = [name for name in os.listdir(node.socket_dir) if name.endswith((".sock", ".lock"))]
+    assert leftovers == []
+    assert "all workers stopped" in node.log()
