@@ -71,7 +71,7 @@ def main() -> None:
             except PermissionError as e:
                 out = {"writable_map": False, "error": str(e)}
         elif cmd == "status":
-            out = {"agent_alive": att.agent_alive, "role": att.role}
+            out = {"agent_alive": att.agent_alive, "role": att.role, "rejoins": att.rejoins}
         elif cmd == "exit":
             att.close()
             out = {"closed": True}

@@ -121,7 +121,7 @@ def test_fds_pushed_at_the_agent_are_refused_and_closed(model, agent, bystander)
     r, w = os.pipe()
     body = b'{"type":"status"}'
     socket.send_fds(s, [protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, len(body)) + body], [r])
-    assert "file descriptors that were not asked for" in reply_and_close(s)["message"]
+    assert "file descriptors sent with a 'status' message" in reply_and_close(s)["message"]
     os.close(r)
     os.close(w)
     still_serving(model, agent, bystander)

@@ -26,12 +26,15 @@ from typing import Any
 from . import protocol
 from .errors import ProtocolError, WeightCacheError
 from .fingerprint import differences
-from .loader import LoadedCache, LoadProgress, load_cache
+from .cpu_arena import CpuArena
+from .devices import Device
+from .loader import LoadedCache, LoadProgress, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
 from .spec import CacheSpec
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
+ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
 ROLES = ("primary", "standby")
 
 
@@ -56,9 +59,17 @@ class Lease:
 
 class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT):
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0):
         self.spec = spec
         self.handshake_timeout = handshake_timeout
+        self.device = device or Device("cpu", f"cpu-{spec.tp_rank}", spec.tp_rank)
+        self.adopt_wait = adopt_wait
+        self.adopted = False
+        self.prepared: PreparedCache | None = None
+        self._prepared = threading.Event()
+        self._adoption = threading.Event()
+        self._adopted_arena: Any = None
+        self._adoptable = False
         self.socket_path = os.path.abspath(socket_path)
         self.show_progress = show_progress
         self.phase = "starting"
@@ -100,18 +111,83 @@ class Agent:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
 
     def load(self) -> None:
-        self.phase = "loading"
+        """Prepare from headers, then adopt an arena an engine hands back, or load from disk."""
+        t0 = time.monotonic()
+        self.phase = "preparing"
         try:
-            self.cache = load_cache(self.spec, self.progress, show_bar=self.show_progress,
-                                    name=f"weightcache:{os.path.basename(self.socket_path)}")
+            self.prepared = prepare_cache(self.spec, device=self._device_mark())
+            self._adoptable = self.adopt_wait > 0 and self._previous_state() == self._state()
+            self._prepared.set()
+            if self._adoptable:
+                self.phase = "adopting"
+                log.info("an earlier agent served this cache with engines attached: waiting up to %.1fs for one to "
+                         "hand the arena back", self.adopt_wait)
+                self._adoption.wait(self.adopt_wait)
+                with self._lock:  # a rejoin racing the timeout either adopted already or will not
+                    self._adoptable = False
+                if self._adopted_arena is not None:
+                    self.cache = loaded_from(self.prepared, self._adopted_arena, time.monotonic() - t0)
+                    self.adopted = True
+                    log.info("re-adopted the arena from an engine in %.1fms; nothing read from disk",
+                             self.cache.load_seconds * 1e3)
+            if self.cache is None:
+                self.phase = "loading"
+                arena = self._new_arena(self.prepared.layout.size)
+                self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0)
         except BaseException as e:
             self.phase, self.error = "failed", str(e)
+            self._prepared.set()
             self._ready.set()  # wake waiting attaches so they get the error
             raise
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
+        self._write_state()
         self.phase = "ready"
         self._ready.set()
+
+    def _device_mark(self) -> str:
+        if self.device.backend == "cpu":
+            return "cpu"
+        import torch
+
+        major, minor = torch.cuda.get_device_capability(self.device.ordinal)
+        return f"sm_{major}{minor}/cuda-{torch.version.cuda}"
+
+    def _new_arena(self, size: int, fd: int | None = None) -> Any:
+        """A fresh arena for the prepared layout, or (with `fd`) one handed back by an engine."""
+        if self.device.backend == "cuda":
+            from .cuda_arena import CudaArena
+
+            return CudaArena(size, self.device.ordinal, self.device.uuid, fd=fd)
+        if fd is not None:
+            return CpuArena.adopt(fd, size)
+        assert self.prepared is not None
+        return new_cpu_arena(self.prepared, name=f"weightcache:{os.path.basename(self.socket_path)}")
+
+    # -- state kept for a restarted agent ------------------------------------------------------
+
+    @property
+    def _state_path(self) -> str:
+        return os.path.join(os.path.dirname(self.socket_path), "." + os.path.basename(self.socket_path) + ".state")
+
+    def _state(self) -> dict[str, Any] | None:
+        if self.prepared is None:
+            return None
+        return {"fingerprint": self.prepared.fingerprint, "layout_hash": self.prepared.layout.layout_hash,
+                "backend": self.device.backend, "device": self.device.uuid}
+
+    def _previous_state(self) -> dict[str, Any] | None:
+        try:
+            with open(self._state_path) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    def _write_state(self) -> None:
+        tmp = self._state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self._state(), f)
+        os.replace(tmp, self._state_path)
 
     def close(self) -> None:
         """Stop serving: remove the socket, drop every connection. Engines keep their mappings."""
@@ -127,6 +203,11 @@ class Agent:
         with self._lock:
             leases = list(self._leases.values())
             self._leases.clear()
+        if not leases:  # nobody holds the arena: a successor has nothing to adopt
+            try:
+                os.unlink(self._state_path)
+            except FileNotFoundError:
+                pass
         for lease in leases:
             _shutdown(lease.conn)
         if self.cache is not None:
@@ -152,7 +233,9 @@ class Agent:
             "model": os.path.abspath(self.spec.model),
             "revision": self.spec.revision,
             "spec": self.spec.to_json(),
-            "backend": "cpu",
+            "backend": self.device.backend,
+            "device": self.device.uuid,
+            "adopted": self.adopted,
             "progress": self.progress.to_json(),
             "fingerprint": cache.fingerprint if cache else None,
             "fields": cache.fields if cache else None,
@@ -162,6 +245,9 @@ class Agent:
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "attaches": self.attaches,
+            # Recent latencies, newest last: the node supervisor feeds the ones it has not
+            # seen (by the change in `attaches`) into its Prometheus histogram.
+            "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
             "clients": [lease.to_json() for lease in self.leases()],
         }
         return out
@@ -187,12 +273,21 @@ class Agent:
         try:
             conn.settimeout(self.handshake_timeout)
             while lease is None:
-                message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+                message, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_FDS)
+                if fds and message["type"] != "rejoin":
+                    for fd in fds:
+                        os.close(fd)
+                    raise ProtocolError(f"file descriptors sent with a {message['type']!r} message")
                 kind = message["type"]
                 if kind == "status":
                     protocol.send_message(conn, self.status())
                 elif kind == "attach":
                     lease = self._attach(conn, message, peer)
+                    if lease is None:
+                        return
+                elif kind == "rejoin":
+                    lease = self._rejoin(conn, message, fds, peer)
+                    fds = []
                     if lease is None:
                         return
                 else:
@@ -236,18 +331,8 @@ class Agent:
                 "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields))
             return None
         pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
-        with self._lock:
-            if role == "primary" and group is not None and any(
-                lease.role == "primary" and lease.group == group for lease in self._leases.values()
-            ):
-                primary_exists = True
-            else:
-                primary_exists = False
-                lease = Lease(next(self._ids), conn, pid, role, group)
-                self._leases[lease.id] = lease
-        if primary_exists:
-            protocol.send_message(conn, protocol.error_message(
-                "primary_exists", f"group {group!r} already has a primary; attach as a standby"))
+        lease = self._register(conn, pid, role, group)
+        if lease is None:
             return None
         cache = self.cache
         reply = {
@@ -258,7 +343,7 @@ class Agent:
             "fingerprint": cache.fingerprint,
             "fields": cache.fields,
             "layout_hash": cache.layout.layout_hash,
-            "arenas": [{"index": 0, "size": cache.layout.size, "backend": cache.arena.backend}],
+            "arenas": [{"index": 0, "size": cache.arena.size, "backend": cache.arena.backend, "device": self.device.uuid}],
         }
         try:
             lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
@@ -266,9 +351,66 @@ class Agent:
             self._end_lease(lease)
             raise
         seconds = time.perf_counter() - started
-        self.attaches += 1
+        # Sample before count: a status read in between then misses one sample, never pairs
+        # a new count with an old sample.
         self.attach_seconds = (self.attach_seconds + [seconds])[-1000:]
+        self.attaches += 1
         log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, role, group, lease.id, seconds * 1e3)
+        return lease
+
+    def _register(self, conn: socket.socket, pid: int | None, role: str, group: str | None) -> Lease | None:
+        """A new lease, or None (after telling the client) when its group already has a primary."""
+        with self._lock:
+            if role == "primary" and group is not None and any(
+                lease.role == "primary" and lease.group == group for lease in self._leases.values()
+            ):
+                lease = None
+            else:
+                lease = Lease(next(self._ids), conn, pid, role, group)
+                self._leases[lease.id] = lease
+        if lease is None:
+            protocol.send_message(conn, protocol.error_message(
+                "primary_exists", f"group {group!r} already has a primary; attach as a standby"))
+        return lease
+
+    def _rejoin(self, conn: socket.socket, message: dict[str, Any], fds: list[int], peer: int | None) -> Lease | None:
+        """An engine that outlived its agent reconnects, offering the arena it still maps."""
+        try:
+            role, group, fields = message.get("role"), message.get("group"), message.get("fields")
+            if role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(fields, dict):
+                raise ProtocolError("rejoin needs role, group and fields like attach")
+            self._prepared.wait()
+            prepared = self.prepared
+            if prepared is None:
+                protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed: {self.error}"))
+                return None
+            diff = differences(prepared.fields, fields)
+            if diff:
+                protocol.send_message(conn, protocol.error_message(
+                    "fingerprint_mismatch", "this agent serves different weights; keep yours", fields=prepared.fields))
+                return None
+            arenas = message.get("arenas") or []
+            adopt = False
+            if (len(fds) == 1 and len(arenas) == 1 and message.get("layout_hash") == prepared.layout.layout_hash
+                    and arenas[0].get("backend") == self.device.backend):
+                with self._lock:
+                    if self._adoptable and self._adopted_arena is None:
+                        try:
+                            self._adopted_arena = self._new_arena(int(arenas[0]["size"]), fd=fds[0])
+                            fds, adopt = [], True  # the arena owns the fd now
+                            self._adoption.set()
+                        except (OSError, WeightCacheError, ValueError) as e:
+                            log.warning("could not adopt the arena offered by pid=%s: %s", peer, e)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
+        lease = self._register(conn, pid, role, group)
+        if lease is None:
+            return None
+        lease.send({"type": "rejoined", "lease": lease.id, "role": role, "adopted": adopt})
+        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", pid, role, group, lease.id,
+                 " (its arena adopted)" if adopt else "")
         return lease
 
     def _end_lease(self, lease: Lease) -> None:

@@ -34,7 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--http-host", default="", help="address to listen on (default: every address, IPv4 and IPv6)")
     node.add_argument("--port-file", help="write the HTTP port here once listening")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
-    p.add_argument("--backend", choices=("auto", "cpu"), default="auto")
+    p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
+    p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
     p.add_argument("--quantization", default="none", help="none | fp8-block")
     p.add_argument("--tp-size", type=int, default=1)
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="revision label shown in status")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its first complete request")
+    p.add_argument("--adopt-wait", type=float, default=3.0,
+                   help="after a restart with engines still attached, seconds to wait for one to hand the arena back")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -72,7 +75,13 @@ def main(argv: list[str]) -> int:
     from .agent import Agent  # after the spec checks: refusals stay instant
 
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
-    agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout)
+    try:
+        device = _device(args)
+    except ValueError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 2
+    agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
+                  adopt_wait=args.adopt_wait)
     try:
         agent.bind()
     except WeightCacheError as e:
@@ -102,3 +111,12 @@ def main(argv: list[str]) -> int:
         return 1
     log.info("shut down cleanly")
     return 0
+
+
+def _device(args: argparse.Namespace) -> "Device":
+    from .devices import Device, resolve_backend, select_devices
+
+    backend = resolve_backend(args.backend)
+    if backend == "cpu":
+        return Device("cpu", f"cpu-{args.tp_rank}", args.tp_rank)
+    return select_devices("cuda", args.device)[0]

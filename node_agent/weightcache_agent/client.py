@@ -38,11 +38,18 @@ MODES = ("client", "daemon", "off")
 
 
 class Attachment:
-    """What `attach` returns: where the weights came from, and the lease on them."""
+    """What `attach` returns: where the weights came from, and the lease on them.
+
+    While attached to an agent, a thread watches the connection. A `promote` message
+    makes this engine its group's primary (and calls `on_promote`). If the agent goes
+    away, the weights stay mapped and the thread keeps knocking on the socket: a
+    restarted agent gets a `rejoin` with this engine's arena fds, which it may adopt
+    instead of reading the disk again.
+    """
 
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
-                 conn: socketlib.socket | None = None, fds: list[int] | None = None,
+                 conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
                  on_promote: Callable[["Attachment"], None] | None = None):
         self.source = source  # "agent" or "disk"
         self.fingerprint = fingerprint
@@ -54,10 +61,13 @@ class Attachment:
         self.role = role
         self.group = group
         self.agent_alive = conn is not None
+        self.rejoins = 0
         self._conn = conn
+        self._socket = conn.getpeername() if conn is not None else None
         self._fds = fds or []
+        self._arenas = arenas or []
         self._on_promote = on_promote
-        self._closed = False
+        self._closed = threading.Event()
         if conn is not None:
             threading.Thread(target=self._watch, name="weightcache-lease", daemon=True).start()
 
@@ -66,33 +76,68 @@ class Attachment:
                 f"bytes={self.bytes}, seconds={self.seconds:.4f}, fingerprint={self.fingerprint[:12]!r})")
 
     def _watch(self) -> None:
-        assert self._conn is not None
-        try:
-            while True:
-                message, _ = protocol.recv_message(self._conn, protocol.MAX_REQUEST_BYTES)
-                if message["type"] == "promote":
-                    self.role = "primary"
-                    log.info("promoted to primary of group %s", message.get("group"))
-                    if self._on_promote is not None:
-                        self._on_promote(self)
-        except (EOFError, OSError, ProtocolError) as e:
-            if not self._closed:
-                log.warning("lost the agent connection (%s); weights stay mapped", e)
-        finally:
-            self.agent_alive = False
+        while not self._closed.is_set():
+            conn = self._conn
+            try:
+                while True:
+                    message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+                    if message["type"] == "promote":
+                        self.role = "primary"
+                        log.info("promoted to primary of group %s", message.get("group"))
+                        if self._on_promote is not None:
+                            self._on_promote(self)
+            except (EOFError, OSError, ProtocolError) as e:
+                if self._closed.is_set():
+                    return
+                self.agent_alive = False
+                log.warning("lost the agent connection (%s); weights stay mapped, waiting for an agent to rejoin", e)
+            conn.close()
+            if not self._rejoin():
+                return
+
+    def _rejoin(self) -> bool:
+        """Reconnect to a (restarted) agent and offer it our arenas. False: stop trying."""
+        delay = 0.005
+        while not self._closed.wait(delay):
+            delay = min(delay * 2, 0.05)  # connecting to an absent socket is cheap; a quick rejoin is not
+            try:
+                conn = _connect(self._socket)
+            except AgentUnavailable:
+                continue
+            try:
+                conn.settimeout(30)
+                protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
+                                             "fields": self.fields, "fingerprint": self.fingerprint,
+                                             "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
+                reply, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+            except (EOFError, OSError, ProtocolError):
+                conn.close()
+                continue
+            if reply["type"] != "rejoined":
+                conn.close()
+                log.warning("agent at %s refused our rejoin (%s); keeping the weights we have", self._socket,
+                            reply.get("message"))
+                return False
+            conn.settimeout(None)
+            self._conn, self.agent_alive, self.role = conn, True, reply.get("role", self.role)
+            self.rejoins += 1
+            log.info("rejoined the agent at %s as %s (arena adopted: %s)", self._socket, self.role, reply.get("adopted"))
+            return True
+        return False
 
     def close(self) -> None:
         """End the lease. Tensors already handed out stay valid while referenced."""
-        if self._closed:
+        if self._closed.is_set():
             return
-        self._closed = True
-        if self._conn is not None:
+        self._closed.set()
+        conn = self._conn
+        if conn is not None:
             try:
-                protocol.send_message(self._conn, {"type": "detach"})
-                self._conn.shutdown(socketlib.SHUT_RDWR)
+                protocol.send_message(conn, {"type": "detach"})
+                conn.shutdown(socketlib.SHUT_RDWR)
             except OSError:
                 pass
-            self._conn.close()
+            conn.close()
         for fd in self._fds:
             os.close(fd)
         self._fds = []
@@ -210,14 +255,20 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
     return Attachment(source="agent", fingerprint=reply["fingerprint"], fields=reply["fields"],
                       nbytes=sum(t.nbytes for t in tensors.values()), tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
-                      group=group, conn=conn, fds=fds, on_promote=on_promote)
+                      group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote)
 
 
 def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
     arena = manifest["arenas"][0]
-    if manifest.get("backend", "cpu") != "cpu":
-        raise AttachError(f"agent serves the {manifest['backend']!r} backend, which this client cannot map")
-    base = map_readonly(fds[0], arena["size"])
+    backend = manifest.get("backend", "cpu")
+    if backend == "cpu":
+        base = map_readonly(fds[0], arena["size"])
+    elif backend == "cuda":
+        from .cuda_arena import map_readonly_cuda
+
+        base = map_readonly_cuda(fds[0], arena["size"], arena["device"])
+    else:
+        raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
     typed: dict[str, torch.Tensor] = {}
     views = {}
     # One pass over the manifest, checking bounds as it goes: this loop is most of an attach.

@@ -66,6 +66,17 @@ class CpuArena:
             os.close(self.fd)
             raise OutOfMemory(f"cannot reserve an arena of {size / 2**30:.2f} GiB: {e.strerror}") from None
 
+    @classmethod
+    def adopt(cls, fd: int, size: int) -> "CpuArena":
+        """Take over an arena an engine hands back; it must be sealed against writes and big enough."""
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_WRITE:
+            raise ValueError("offered memfd is not sealed against writes: its bytes cannot be trusted")
+        actual = os.fstat(fd).st_size
+        if actual != size:
+            raise ValueError(f"offered memfd holds {actual} bytes, the layout needs {size}")
+        return cls(size, fd=fd)
+
     def writable(self) -> memoryview:
         """A writable view of the whole arena, valid until `seal()`."""
         if self._mapping is None:

@@ -1,0 +1,194 @@
+"""The cuda backend: an arena is one CUDA VMM allocation, shared by a POSIX fd.
+
+Agent side (`CudaArena`): `cuMemCreate` with the POSIX-fd handle type, sized to the
+allocation granularity; reserve + map + read-write access for loading; export the fd
+once. After loading, `seal()` drops the agent's own mapping, so not even the agent can
+scribble on served weights; the allocation lives on through its handle and the fd.
+
+Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ,
+and wrap the pointer as a uint8 torch tensor through `__cuda_array_interface__` --
+no copy. The `_Mapping` object is what torch keeps alive for as long as any view of
+the arena exists; when the last view goes, it unmaps and releases the imported handle.
+Memory stays valid after the exporting process exits (the handle counts), which is
+why an engine keeps serving when the agent dies, and why an engine holding the fd can
+hand the arena back to a restarted agent.
+
+Everything here runs after torch has made the device's primary context current.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from .errors import OutOfMemory, WeightCacheError
+
+log = logging.getLogger(__name__)
+
+
+class CudaError(WeightCacheError):
+    """A CUDA driver call failed."""
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as e:
+        raise CudaError("the cuda backend needs cuda-bindings: pip install 'weightcache[cuda]'") from e
+    return driver
+
+
+def _call(result: tuple, what: str) -> Any:
+    cu = _driver()
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        _, name = cu.cuGetErrorName(err)
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    return values[0] if len(values) == 1 else values
+
+
+def _activate(ordinal: int) -> None:
+    """Make torch create and bind the device's primary context (the VMM calls use it)."""
+    torch.cuda.set_device(ordinal)
+    torch.cuda.init()
+    torch.empty(1, device=f"cuda:{ordinal}")
+
+
+def _prop(ordinal: int) -> Any:
+    cu = _driver()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = ordinal
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def _access(ordinal: int, writable: bool) -> Any:
+    cu = _driver()
+    desc = cu.CUmemAccessDesc()
+    desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = ordinal
+    desc.flags = (cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE if writable
+                  else cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ)
+    return desc
+
+
+def granularity(ordinal: int) -> int:
+    cu = _driver()
+    _activate(ordinal)
+    return int(_call(cu.cuMemGetAllocationGranularity(
+        _prop(ordinal), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"))
+
+
+class _Mapping:
+    """A reserved + mapped VA range over one allocation handle; unmapped and released on drop."""
+
+    def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool):
+        cu = _driver()
+        self.size, self.ordinal, self._handle, self._owns_handle = size, ordinal, handle, owns_handle
+        self.ptr = None
+        try:
+            self.ptr = _call(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+            _call(cu.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
+            self._mapped = True
+            _call(cu.cuMemSetAccess(self.ptr, size, [_access(ordinal, writable)], 1), "cuMemSetAccess")
+        except BaseException:
+            self.release()
+            raise
+        self.readonly = not writable
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {"shape": (self.size,), "typestr": "|u1", "data": (int(self.ptr), False), "version": 3, "strides": None}
+
+    def tensor(self) -> torch.Tensor:
+        # torch keeps `self` alive through the tensor's deleter: the mapping outlives every view.
+        return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
+
+    def release(self) -> None:
+        cu = _driver()
+        if self.ptr is not None:
+            if getattr(self, "_mapped", False):
+                cu.cuMemUnmap(self.ptr, self.size)
+                self._mapped = False
+            cu.cuMemAddressFree(self.ptr, self.size)
+            self.ptr = None
+        if self._owns_handle and self._handle is not None:
+            cu.cuMemRelease(self._handle)
+            self._handle = None
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # interpreter shutdown: the driver may already be gone
+            pass
+
+
+class CudaArena:
+    """A VMM allocation owned by the agent, exported once as a POSIX fd."""
+
+    backend = "cuda"
+
+    def __init__(self, size: int, ordinal: int, uuid: str, fd: int | None = None):
+        cu = _driver()
+        _activate(ordinal)
+        self.ordinal, self.uuid = ordinal, uuid
+        gran = granularity(ordinal)
+        self.size = -(-size // gran) * gran
+        self._writer: _Mapping | None = None
+        if fd is not None:  # re-adopted from an engine: keep its fd (re-exporting an imported handle fails)
+            self.fd = fd
+            self._handle = _call(cu.cuMemImportFromShareableHandle(
+                fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+            return
+        free, total = _call(cu.cuMemGetInfo(), "cuMemGetInfo")
+        if self.size > free:
+            raise OutOfMemory(f"arena of {self.size / 2**30:.2f} GiB does not fit on GPU {uuid}: "
+                              f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB")
+        self._handle = _call(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
+        try:
+            self.fd = int(_call(cu.cuMemExportToShareableHandle(
+                self._handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+                "cuMemExportToShareableHandle"))
+        except BaseException:
+            cu.cuMemRelease(self._handle)
+            raise
+
+    def device_tensor(self) -> torch.Tensor:
+        """A writable uint8 view of the whole arena for the loader, valid until `seal()`."""
+        if self._writer is None:
+            self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
+        return self._writer.tensor()
+
+    def seal(self) -> None:
+        """Finish pending copies and drop the agent's writable mapping."""
+        torch.cuda.synchronize(self.ordinal)
+        if self._writer is not None:
+            self._writer.release()
+            self._writer = None
+
+    def close(self) -> None:
+        cu = _driver()
+        self.seal()
+        if self._handle is not None:
+            cu.cuMemRelease(self._handle)
+            self._handle = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def map_readonly_cuda(fd: int, size: int, uuid: str) -> torch.Tensor:
+    """Import an arena fd on the GPU with `uuid` and return it as one read-only uint8 tensor."""
+    from .devices import local_ordinal
+
+    cu = _driver()
+    ordinal = local_ordinal(uuid)
+    _activate(ordinal)
+    handle = _call(cu.cuMemImportFromShareableHandle(
+        fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+    # The mapping owns the imported handle from here on, failed or not.
+    return _Mapping(handle, size, ordinal, writable=False, owns_handle=True).tensor()
