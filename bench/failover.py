@@ -54,7 +54,8 @@ def first_success(engine: EngineChild, start: float, max_tokens: int, timeout: f
         time.sleep(0.0005)
 
 
-def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, timeout: float) -> tuple[list[float], list[int]]:
+def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int,
+                   timeout: float) -> tuple[list[float], list[int], list[float]]:
     agent = sup.start_agent(model)
     agent.wait_ready(timeout)
     primary = sup.start_engine(model, "primary-0", socket=agent.socket, group=GROUP)
@@ -62,6 +63,12 @@ def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, ti
     primary.wait_state(lambda h: h["ready"], timeout, "readiness")
     standby.wait_serving(timeout)
     _, expected = primary.generate(PROMPT, max_tokens)
+    # The request's own cost on a warm engine: the part of a failover that is not promotion.
+    compute = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
+        first_success(primary, t0, max_tokens, timeout)
+        compute.append(time.perf_counter() - t0)
     times = []
     for n in range(1, trials + 1):
         primary.kill(signal.SIGKILL)
@@ -75,7 +82,7 @@ def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, ti
         primary, standby = standby, sup.start_engine(model, f"standby-{n + 1}", socket=agent.socket, group=GROUP,
                                                      role="standby")
         standby.wait_serving(timeout)  # not timed: a new standby joins in the background in production
-    return times, expected["tokens"]
+    return times, expected["tokens"], compute
 
 
 def bench_cold(sup: Supervisor, model: str, trials: int, max_tokens: int, timeout: float, expected: list[int]) -> list[float]:
@@ -101,7 +108,7 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, backend cpu")
+            f"torch {torch.__version__}, backend cpu, load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def main() -> int:
@@ -118,7 +125,7 @@ def main() -> int:
     size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
     with Supervisor(tempfile.mkdtemp(prefix="wc-bench-")) as sup:
         print(f"failover: {args.trials} trials", file=sys.stderr)
-        failover, expected = bench_failover(sup, model, args.trials, args.max_tokens, args.timeout)
+        failover, expected, compute = bench_failover(sup, model, args.trials, args.max_tokens, args.timeout)
         print(f"cold restart: {args.cold_trials} trials", file=sys.stderr)
         cold = bench_cold(sup, model, args.cold_trials, args.max_tokens, args.timeout, expected)
 
@@ -134,6 +141,8 @@ def main() -> int:
     print("| --- | ---: | ---: | ---: | ---: |")
     print(f"| failover: SIGKILL primary -> standby answers | {len(failover)} | {f50 * 1e3:.1f} ms | {f99 * 1e3:.1f} ms "
           f"| {statistics.mean(failover) * 1e3:.1f} ms |")
+    print(f"| (the same request on a warm primary: compute only) | {len(compute)} | {percentile(compute, 50) * 1e3:.1f} ms "
+          f"| {percentile(compute, 99) * 1e3:.1f} ms | {statistics.mean(compute) * 1e3:.1f} ms |")
     print(f"| cold restart from disk (`--mode off`) -> answers | {len(cold)} | {c50 * 1e3:.0f} ms | {c99 * 1e3:.0f} ms "
           f"| {statistics.mean(cold) * 1e3:.0f} ms |")
     print(f"| **ratio (cold / failover)** | | **{c50 / f50:.0f}x** | **{c99 / f99:.0f}x** | |")
