@@ -24,6 +24,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightcache_agent import agent_status, protocol
+from weightcache_agent.agent_http import AgentHTTPServer, AgentMetrics
+from weightcache_agent.devices import Device
+from weightcache_agent.supervisor import NodeConfig, NodeSupervisor, Worker, failure_message, node_phase
 from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
@@ -241,7 +244,7 @@ def test_bad_checkpoint_fails_without_restarts(model, workdir):
         assert all("truncated" in r["message"] and r["pid"] is None for r in status["ranks"])
         assert node.get("/readyz")[0] == 503
         assert node.get("/healthz")[0] == 200  # alive and saying why: no pod crash loop
-        time.sleep(2.5)  # several poll intervals: a hot restart loop would show by now
+        time.sleep(2.0)  # four poll intervals and twice the first crash backoff: a hot restart loop would show by now
         status = node.status()
         assert status["phase"] == "Failed"
         assert [r["restarts"] for r in status["ranks"]] == [0, 0]
@@ -263,3 +266,110 @@ def test_sigterm_stops_workers_and_removes_sockets(node):
     leftovers = [name for name in os.listdir(node.socket_dir) if name.endswith((".sock", ".lock"))]
     assert leftovers == []
     assert "all workers stopped" in node.log()
+
+
+# -- in-process pieces: no workers started -----------------------------------------------------
+
+
+def test_failure_message_prefers_the_agents_own_words():
+    tail = ["INFO listening", "weightcache agent: /m/x.safetensors: truncated", "Traceback noise"]
+    assert failure_message(tail, 1) == "/m/x.safetensors: truncated"
+    assert failure_message(["OSError: AF_UNIX path too long"], 1) == "exited with status 1: OSError: AF_UNIX path too long"
+    assert failure_message([], -9) == "exited with status -9"
+
+
+def rank(r: int, phase: str, message: str = "", progress: float = 0.0) -> dict[str, Any]:
+    return {"rank": r, "device": f"cpu-{r}", "phase": phase, "message": message, "progress": progress}
+
+
+def test_node_phase_from_ranks():
+    assert node_phase([rank(0, "Ready"), rank(1, "Ready")], None) == ("Ready", "2/2 ranks ready")
+    assert node_phase([rank(0, "Pending"), rank(1, "Pending")], None) == ("Pending", "starting 2 workers")
+    phase, message = node_phase([rank(0, "Ready"), rank(1, "Loading", progress=0.5)], None)
+    assert phase == "Loading" and "1/2 ranks ready" in message and "loading 50%" in message
+    phase, message = node_phase([rank(0, "Ready"), rank(1, "Restarting", "worker killed by signal 9")], None)
+    assert phase == "Loading" and "killed by signal 9" in message
+    phase, message = node_phase([rank(0, "Loading"), rank(1, "Failed", "truncated")], None)
+    assert (phase, message) == ("Failed", "rank 1 (cpu-1): truncated")
+    assert node_phase([], "no devices to serve: 8 ranks need 8 GPUs") == ("Failed", "no devices to serve: 8 ranks need 8 GPUs")
+
+
+def test_attach_latencies_are_counted_once_and_survive_a_restart():
+    seen: list[tuple[int, str, float]] = []
+    worker = Worker(1, Device("cpu", "cpu-1", 1), NodeConfig("/m", "/s", 2, "cpu"), on_attach=lambda *a: seen.append(a))
+    worker._observe_attaches({"attaches": 2, "attach_seconds": [0.1, 0.2]})
+    worker._observe_attaches({"attaches": 2, "attach_seconds": [0.1, 0.2]})  # nothing new
+    worker._observe_attaches({"attaches": 3, "attach_seconds": [0.1, 0.2, 0.3]})
+    assert [s for _, _, s in seen] == [0.1, 0.2, 0.3]
+    worker._seen_attaches = 0  # what spawn() does for a new process
+    worker._observe_attaches({"attaches": 1, "attach_seconds": [0.4]})
+    assert seen[-1] == (1, "cpu-1", 0.4) and len(seen) == 4
+    worker._observe_attaches({"attaches": 2})  # an agent that does not report latencies
+    assert len(seen) == 4
+
+
+class FakeSource:
+    def __init__(self, doc: dict[str, Any], healthy: bool = True):
+        self.doc, self.is_healthy = doc, healthy
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.doc
+
+    def ready(self) -> bool:
+        return self.doc["phase"] == "Ready"
+
+    def healthy(self) -> tuple[bool, str]:
+        return self.is_healthy, "ok" if self.is_healthy else "supervisor loop has not run for 45s"
+
+
+def test_http_endpoints_and_metrics_in_process():
+    config = NodeConfig("/m", "/s", 2, "cpu", node_name="n")
+    supervisor = NodeSupervisor(config, [], setup_error="no devices to serve: 2 ranks need 2 GPUs")
+    source = FakeSource(supervisor.snapshot())
+    metrics = AgentMetrics()
+    ranks = [{"rank": 0, "device": "GPU-a", "phase": "Ready", "bytes": 10, "clients": 2, "loadSeconds": 1.5,
+              "restarts": 3},
+             {"rank": 1, "device": "GPU-b", "phase": "Loading", "bytes": 4, "clients": 0, "loadSeconds": None,
+              "restarts": 0}]
+    metrics.watch(lambda: {"ranks": ranks}, [(0, "GPU-a"), (1, "GPU-b")])
+    metrics.observe_attach(0, "GPU-a", 0.002)
+    server = AgentHTTPServer("127.0.0.1", 0, source, metrics.registry)
+    server.start()
+    try:
+        def get(path: str, method: str = "GET") -> tuple[int, str]:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+                conn.request(method, path)
+                response = conn.getresponse()
+                return response.status, response.read().decode()
+            finally:
+                conn.close()
+
+        code, body = get("/status")
+        assert code == 200 and json.loads(body)["phase"] == "Failed"
+        assert "2 ranks need 2 GPUs" in json.loads(body)["message"]
+        assert get("/readyz")[0] == 503
+        assert get("/healthz") == (200, json.dumps({"ok": True, "message": "ok"}))
+        source.is_healthy = False
+        assert get("/healthz")[0] == 503
+        source.doc = {**source.doc, "phase": "Ready", "message": ""}
+        assert get("/readyz")[0] == 200
+        assert get("/readyz", "HEAD") == (200, "")
+        assert get("/status?x=1")[0] == 200 and get("/other")[0] == 404
+
+        code, body = get("/metrics")
+        assert code == 200
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for family in text_string_to_metric_families(body) for s in family.samples}
+        a, b = (("device", "GPU-a"), ("rank", "0")), (("device", "GPU-b"), ("rank", "1"))
+        assert samples[("weightcache_bytes_resident", a)] == 10 and samples[("weightcache_bytes_resident", b)] == 4
+        assert samples[("weightcache_clients", a)] == 2
+        assert samples[("weightcache_load_seconds", a)] == 1.5 and ("weightcache_load_seconds", b) not in samples
+        assert samples[("weightcache_rank_ready", a)] == 1 and samples[("weightcache_rank_ready", b)] == 0
+        assert samples[("weightcache_worker_restarts_total", a)] == 3
+        assert samples[("weightcache_attach_seconds_count", a)] == 1
+        assert samples[("weightcache_attach_seconds_count", b)] == 0  # present before any attach
+        assert samples[("weightcache_attach_seconds_bucket", (a[0], ("le", "0.0025"), a[1]))] == 1
+        assert samples[("weightcache_attach_seconds_bucket", (a[0], ("le", "0.001"), a[1]))] == 0
+    finally:
+        server.close()

@@ -97,27 +97,25 @@ class _StatusCollector:
         return [resident, clients, load, ready, restarts]
 
 
-class _DualStackServer(ThreadingHTTPServer):
-    """Listens on IPv6 and IPv4 at once (pod IPs may be either)."""
+class _Server(ThreadingHTTPServer):
+    dual_stack = False  # with AF_INET6 on "::": IPv4 too (pod IPs may be either)
 
+    def server_bind(self) -> None:
+        if self.dual_stack:
+            with contextlib.suppress(OSError, AttributeError):
+                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        # HTTPServer.server_bind resolves its own name with getfqdn(): a reverse DNS lookup
+        # that can hang for seconds in a pod without working DNS. Nothing here needs it.
+        socketserver.TCPServer.server_bind(self)
+        self.server_name, self.server_port = "weightcache-agent", self.server_address[1]
+
+
+class _Ipv6Server(_Server):
     address_family = socket.AF_INET6
 
-    def server_bind(self) -> None:
-        with contextlib.suppress(OSError, AttributeError):
-            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        _bind_without_dns(self)
 
-
-class _Ipv4Server(ThreadingHTTPServer):
-    def server_bind(self) -> None:
-        _bind_without_dns(self)
-
-
-def _bind_without_dns(server: ThreadingHTTPServer) -> None:
-    # HTTPServer.server_bind resolves its own name with getfqdn(): a reverse DNS lookup
-    # that can hang for seconds in a pod without working DNS. Nothing here needs it.
-    socketserver.TCPServer.server_bind(server)
-    server.server_name, server.server_port = "weightcache-agent", server.server_address[1]
+class _DualStackServer(_Ipv6Server):
+    dual_stack = True
 
 
 class AgentHTTPServer:
@@ -152,11 +150,8 @@ def _make_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) ->
             if host == "::":
                 raise
             log.info("no IPv6 here (%s); listening on IPv4 only", e)
-        return _Ipv4Server(("0.0.0.0", port), handler)
-    if ":" in host:
-        server_class = type("_Ipv6Server", (_Ipv4Server,), {"address_family": socket.AF_INET6})
-        return server_class((host, port), handler)
-    return _Ipv4Server((host, port), handler)
+        return _Server(("0.0.0.0", port), handler)
+    return (_Ipv6Server if ":" in host else _Server)((host, port), handler)
 
 
 class _Handler(BaseHTTPRequestHandler):

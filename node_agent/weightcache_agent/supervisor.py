@@ -47,7 +47,7 @@ log = logging.getLogger("weightcache.supervisor")
 
 POLL_INTERVAL = 0.5  # seconds between status polls of every worker
 POLL_TIMEOUT = 2.0  # a worker's status answer slower than this counts as no answer
-STALE_AFTER = 10.0  # a live worker silent this long is not counted ready
+STALE_AFTER = 10.0  # a live worker silent this long is Unresponsive (not ready)
 CRASH_BACKOFF = (1.0, 60.0)  # first delay and cap before restarting a crashed worker
 FAILED_RETRY = (300.0, 3600.0)  # exit 1: the input may get fixed (a mount appears, memory frees)
 HEARTBEAT_LIMIT = 30.0  # /healthz fails when the main loop has not ticked for this long
@@ -175,7 +175,6 @@ class Worker:
         self.forwarder: _LogForwarder | None = None
         self.status: dict[str, Any] | None = None  # last answer of the current process
         self.last_answer = 0.0
-        self.started = 0.0
         self.phase = "Pending"
         self.message = ""
         self.restarts = 0
@@ -187,7 +186,7 @@ class Worker:
 
     # -- process -----------------------------------------------------------------------------
 
-    def spawn(self, now: float) -> None:
+    def spawn(self) -> None:
         argv = self.config.worker_argv(self.rank, self.device, self.socket)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True,
@@ -197,7 +196,7 @@ class Worker:
         if self.spawned:
             self.restarts += 1
         self.spawned += 1
-        self.started, self.next_start = now, None
+        self.next_start = None
         self.status, self.last_answer, self._seen_attaches = None, 0.0, 0
         self.phase, self.message = "Pending", ""
         log.info("rank %d (%s): worker pid=%d started%s", self.rank, self.device.uuid, self.proc.pid,
@@ -207,7 +206,7 @@ class Worker:
         """Advance this rank by one poll: start, reap, or ask for status."""
         if self.proc is None:
             if self.next_start is not None and now >= self.next_start:
-                self.spawn(now)
+                self.spawn()
             return
         code = self.proc.poll()
         if code is not None:
@@ -268,9 +267,6 @@ class Worker:
             self.message = f"worker {how}; restarting in {delay:.0f}s"
             log.warning("%s: worker pid=%d %s, restarting in %.1fs (last output: %s)", where, pid, how, delay, reason)
 
-    def ready(self, now: float) -> bool:
-        return self.phase == "Ready" and now - self.last_answer <= STALE_AFTER
-
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -301,7 +297,7 @@ class Worker:
 
     # -- reporting ---------------------------------------------------------------------------
 
-    def to_json(self, now: float) -> dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         status = self.status or {}
         progress = status.get("progress") or {}
         fraction = 1.0 if self.phase == "Ready" else float(progress.get("fraction") or 0.0)
@@ -309,7 +305,7 @@ class Worker:
         return {
             "rank": self.rank,
             "device": self.device.uuid,
-            "phase": "Ready" if self.ready(now) else ("Unresponsive" if self.phase == "Ready" else self.phase),
+            "phase": self.phase,
             "bytes": int(status.get("bytes") or 0),
             "progress": round(min(max(fraction, 0.0), 1.0), 4),
             "clients": len(status.get("clients") or []),
@@ -365,7 +361,7 @@ class NodeSupervisor:
         self.setup_error = setup_error
         self.workers = [Worker(rank, device, config, on_attach, out) for rank, device in enumerate(devices)]
         self._heartbeat = time.monotonic()
-        self._snapshot = self._build(self._heartbeat)
+        self._snapshot = self._build()
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -376,12 +372,11 @@ class NodeSupervisor:
                  len(self.workers), self.config.model, self.config.backend, self.config.socket_dir)
         try:
             while not stop.is_set():
-                now = time.monotonic()
                 for worker in self.workers:
                     if stop.is_set():
                         break
-                    worker.tick(now)
-                self._publish(time.monotonic())
+                    worker.tick(time.monotonic())
+                self._publish()
                 stop.wait(POLL_INTERVAL)
         finally:
             self.shutdown()
@@ -395,17 +390,17 @@ class NodeSupervisor:
             worker.reap(deadline)
             worker.remove_socket()
             worker.phase, worker.message, worker.status = "Pending", "stopped", None
-        self._publish(time.monotonic())
+        self._publish()
         log.info("node %s: all workers stopped", self.config.node_name)
 
     # -- state -------------------------------------------------------------------------------
 
-    def _publish(self, now: float) -> None:
-        self._heartbeat = now
-        self._snapshot = self._build(now)  # one reference swap: readers never see half a document
+    def _publish(self) -> None:
+        self._snapshot = self._build()  # one reference swap: readers never see half a document
+        self._heartbeat = time.monotonic()
 
-    def _build(self, now: float) -> dict[str, Any]:
-        ranks = [w.to_json(now) for w in self.workers]
+    def _build(self) -> dict[str, Any]:
+        ranks = [w.to_json() for w in self.workers]
         phase, message = node_phase(ranks, self.setup_error)
         load = [r["loadSeconds"] for r in ranks if r["loadSeconds"] is not None]
         return {
