@@ -19,11 +19,12 @@ from .checkpoint import Checkpoint, dtype_name
 from .spec import CacheSpec
 
 # Bump when the loader would place or transform bytes differently for the same inputs.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: sharding plans, fp8-block with power-of-two scales
 
 QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
     "none": {},
-    "fp8-block": {"format": "float8_e4m3fn", "block": [128, 128], "scale": "weight_scale_inv"},
+    "fp8-block": {"format": "float8_e4m3fn", "block": [128, 128], "scale": "weight_scale_inv",
+                  "scale_rounding": "pow2"},
 }
 
 
@@ -42,7 +43,12 @@ def environment_fields(device: str | None) -> dict[str, Any]:
 
 
 def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | None = "cpu") -> dict[str, Any]:
-    quant_config = QUANTIZATION_CONFIGS[spec.quantization]
+    from .fp8 import checkpoint_quantization
+    from .sharding import plan_identity
+
+    # quantized on load vs taken from a pre-quantized checkpoint: different bytes, same method name
+    quant_config = dict(QUANTIZATION_CONFIGS[spec.quantization],
+                        source="checkpoint" if checkpoint_quantization(checkpoint) else "load")
     fields = {
         "model": os.path.basename(checkpoint.directory.rstrip("/")),
         "revision": checkpoint.revision,
@@ -54,7 +60,8 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
         "quantization": spec.quantization,
         "quantization_config": _short_hash(quant_config),
         "dtype": resolved_dtype(spec, checkpoint),
-        "sharding": spec.sharding or "auto",
+        # the resolved plan (preset name, or hash of the YAML rules), not the flag: same flag, other file
+        "sharding": plan_identity(checkpoint, spec.sharding, spec.tp_size),
         "layout_version": LAYOUT_VERSION,
     }
     fields.update(environment_fields(device))

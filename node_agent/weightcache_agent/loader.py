@@ -1,10 +1,12 @@
 """The cold path: checkpoint on disk -> planned tensors -> filled, sealed arena.
 
-`plan_tensors` decides what the arena will hold (which tensors, in which dtype and
-shape); `lay_out` places them; `fill_arena` reads each tensor's bytes straight from the
-file into its slot (one copy, no intermediate buffer unless a dtype cast is needed);
-the arena is then sealed. The agent and an engine in `off` mode run exactly this code,
-which is what makes their weights bit-identical.
+`plan_tensors` decides what the arena holds: for every checkpoint tensor this rank's
+shard (`sharding`), its final dtype, and how it gets there -- read as is, cast, or
+quantized to block-wise FP8 (`fp8`, which adds a `weight_scale_inv` "extra" slot).
+`lay_out` places the slots; the memory budget is checked before anything is
+allocated; `pipeline.fill_arena` reads exactly the shard bytes and transforms them
+while the disk keeps reading; the arena is then sealed. The agent and an engine in
+`off` mode run exactly this code, which is what makes their weights bit-identical.
 """
 from __future__ import annotations
 
@@ -17,16 +19,23 @@ from typing import Any
 
 import torch
 
+from . import fp8
 from .checkpoint import Checkpoint, TensorRecord, dtype_from_name, open_checkpoint
-from .cpu_arena import CpuArena
-from .errors import CheckpointError
+from .cpu_arena import CpuArena, available_memory
+from .errors import CheckpointError, OutOfMemory, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import ArenaLayout, lay_out
+from .pipeline import fill_arena
+from .quantization import check_quantization
+from .sharding import (SCALE_SUFFIX, Shard, ShardingPlan, check_heads, config_path, expert_index, expert_owner,
+                       fused_parts, resolve_plan, split, whole)
 from .spec import CacheSpec
 
 log = logging.getLogger(__name__)
 
-READ_CHUNK = 64 * 1024 * 1024
+# Caps the memory an arena may take below what the kernel reports (an operator's budget;
+# tests use it to force the out-of-memory refusal). Bytes, or with a K/M/G suffix.
+MEMORY_LIMIT_ENV = "WEIGHTCACHE_MEMORY_LIMIT"
 
 
 @dataclass(frozen=True)
@@ -34,8 +43,10 @@ class PlannedTensor:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    source: TensorRecord
-    kind: str = "weight"
+    source: TensorRecord | None  # None: made by the loader (a quantization scale)
+    kind: str = "weight"  # "weight" | "extra" (weight_scale_inv)
+    shard: Shard | None = None  # which bytes of `source` this rank reads
+    transform: str = "read"  # "read" (bytes as they are) | "cast" | "fp8"
 
 
 @dataclass
@@ -98,77 +109,185 @@ class LoadedCache:
 
 def plan_tensors(checkpoint: Checkpoint, spec: CacheSpec) -> list[PlannedTensor]:
     """What the arena holds, in file order so the disk reads sequentially."""
-    if spec.quantization != "none":
-        raise CheckpointError(f"quantization {spec.quantization!r} is accepted but its loader is not built yet")
-    if spec.tp_size != 1:
-        raise CheckpointError(f"tensor parallelism (tp_size={spec.tp_size}) needs a sharding plan, not available yet")
+    check_quantization(spec.quantization)
+    prequantized = fp8.checkpoint_quantization(checkpoint)
+    if prequantized and spec.quantization != prequantized:
+        raise UnsupportedQuantization(
+            f"{config_path(checkpoint)}: the checkpoint is already {prequantized} quantized (weight_scale_inv "
+            f"tensors, quantization_config); serve it with --quantization {prequantized}, not {spec.quantization!r}"
+        )
     target = None if spec.dtype == "auto" else dtype_from_name(spec.dtype)
-    planned = []
+    sharded = spec.tp_size > 1
+    plan = resolve_plan(checkpoint, spec.sharding) if sharded or spec.sharding else None
+    _check_vocab(checkpoint)
+    planned: list[PlannedTensor] = []
     for record in sorted(checkpoint.tensors.values(), key=lambda r: (r.file, r.start)):
-        dtype = target if target is not None and record.dtype.is_floating_point else record.dtype
-        planned.append(PlannedTensor(record.name, dtype, record.shape, record))
+        shard = shard_for(checkpoint, record, spec, plan)
+        if shard is None:  # an expert another rank holds
+            continue
+        name, shape = record.name, shard.shape
+        if name.endswith(SCALE_SUFFIX):
+            planned.append(PlannedTensor(name, record.dtype, shape, record, "extra", shard))
+        elif prequantized and record.dtype == fp8.FP8:
+            _check_scale(checkpoint, record)
+            planned.append(PlannedTensor(name, record.dtype, shape, record, "weight", shard))
+        elif (spec.quantization == "fp8-block" and not prequantized and record.dtype.is_floating_point
+              and fp8.quantizable(name, shape)):
+            planned.append(PlannedTensor(name, fp8.FP8, shape, record, "weight", shard, "fp8"))
+            planned.append(PlannedTensor(fp8.scale_name(name), torch.float32, fp8.scale_shape(shape), None, "extra"))
+        elif target is not None and record.dtype.is_floating_point and record.dtype.itemsize > 1 and record.dtype != target:
+            planned.append(PlannedTensor(name, target, shape, record, "weight", shard, "cast"))
+        else:
+            planned.append(PlannedTensor(name, record.dtype, shape, record, "weight", shard))
     return planned
 
 
-def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list[PlannedTensor], progress: LoadProgress) -> None:
-    """Read every planned tensor from disk into its slot of `buffer`."""
-    slots = {slot.name: slot for slot in layout.slots}
-    fds: dict[str, int] = {}
+def shard_for(checkpoint: Checkpoint, record: TensorRecord, spec: CacheSpec, plan: ShardingPlan | None) -> Shard | None:
+    """This rank's part of `record` (None when expert parallelism gives it to another rank)."""
+    is_scale = record.name.endswith(SCALE_SUFFIX)
+    base = record.name.removesuffix(SCALE_SUFFIX) + ".weight" if is_scale else record.name
+    expert = expert_index(base)
+    if spec.expert_parallel and expert is not None:
+        # whole experts per rank, global names kept (see sharding's docstring)
+        return whole(record) if expert_owner(checkpoint, base, expert, spec.tp_size) == spec.tp_rank else None
+    if spec.tp_size == 1 or plan is None:
+        return whole(record)
+    rule = plan.rule_for(base)
+    if rule is None or rule.mode == "replicated":
+        return whole(record)
+    dim = rule.split_dim
+    check_heads(checkpoint, record, rule, spec.tp_size)
+    if is_scale:
+        weight = checkpoint.tensors.get(base)
+        if weight is None:
+            raise CheckpointError(f"{record.file}: tensor {record.name!r} has no weight {base!r} to scale")
+        # the weight's slice must fall on 128 boundaries; the scale is then sliced in blocks
+        parts = fused_parts(checkpoint, weight, rule, dim)
+        split(weight, dim, parts, spec.tp_rank, spec.tp_size, block=fp8.BLOCK)
+        return split(record, dim, tuple(p // fp8.BLOCK for p in parts), spec.tp_rank, spec.tp_size)
+    parts = fused_parts(checkpoint, record, rule, dim)
+    block = fp8.BLOCK if record.dtype == fp8.FP8 and len(record.shape) == 2 and (
+        fp8.scale_name(record.name) in checkpoint.tensors) else 1
+    return split(record, dim, parts, spec.tp_rank, spec.tp_size, block=block)
+
+
+def _check_scale(checkpoint: Checkpoint, weight: TensorRecord) -> None:
+    scale = checkpoint.tensors.get(fp8.scale_name(weight.name))
+    where = f"{weight.file}: tensor {weight.name!r}"
+    if scale is None:
+        raise CheckpointError(f"{where}: fp8 weight without its {fp8.scale_name(weight.name)!r}")
+    if len(weight.shape) != 2 or scale.shape != fp8.scale_shape(weight.shape) or scale.dtype != torch.float32:
+        raise CheckpointError(
+            f"{where}: weight_scale_inv is {list(scale.shape)} {scale.dtype}, but a {list(weight.shape)} weight "
+            f"in 128x128 blocks needs float32 {list(fp8.scale_shape(weight.shape))}"
+        )
+
+
+def _check_vocab(checkpoint: Checkpoint) -> None:
+    """Embedding / lm_head rows must agree with config.json's vocab_size (a header that contradicts the config)."""
+    vocab = (checkpoint.config or {}).get("vocab_size")
+    if not isinstance(vocab, int):
+        return
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        record = checkpoint.tensors.get(name)
+        if record is not None and record.shape and record.shape[0] != vocab:
+            raise CheckpointError(f"{record.file}: tensor {name!r} has {record.shape[0]} rows (dim 0) but "
+                                  f"{config_path(checkpoint)} says vocab_size {vocab}")
+
+
+def memory_budget() -> tuple[int, str]:
+    """Bytes an arena may take, and where that number comes from (for the error message)."""
+    avail, source = available_memory(), "available host memory (MemAvailable / cgroup)"
+    raw = os.environ.get(MEMORY_LIMIT_ENV)
+    if raw:
+        limit = _parse_bytes(raw)
+        if limit < avail:
+            avail, source = limit, f"{MEMORY_LIMIT_ENV}={raw}"
+    return avail, source
+
+
+def _parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
     try:
-        for item in plan:
-            src = item.source
-            fd = fds.get(src.file)
-            if fd is None:
-                fd = fds[src.file] = os.open(src.file, os.O_RDONLY)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            slot = slots[item.name]
-            dest = buffer[slot.offset : slot.offset + slot.nbytes]
-            if item.dtype == src.dtype:
-                _read_exact(fd, dest, src, progress)
-            else:
-                staging = bytearray(src.nbytes)
-                _read_exact(fd, memoryview(staging), src, progress)
-                out = torch.frombuffer(dest, dtype=item.dtype) if slot.nbytes else torch.empty(0, dtype=item.dtype)
-                out.copy_(torch.frombuffer(staging, dtype=src.dtype) if src.nbytes else torch.empty(0, dtype=src.dtype))
-                del out
-            progress.advance(0, tensors=1)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+        return int(float(text.rstrip("KMGT")) * mult)
+    except ValueError:
+        raise ValueError(f"{MEMORY_LIMIT_ENV}={text!r} is not a byte count") from None
 
 
-def _read_exact(fd: int, dest: memoryview, src: TensorRecord, progress: LoadProgress) -> None:
-    done = 0
-    while done < src.nbytes:
-        n = os.preadv(fd, [dest[done : done + READ_CHUNK]], src.start + done)
-        if n <= 0:
-            raise CheckpointError(f"{src.file}: tensor {src.name!r}: file ended after {done} of {src.nbytes} bytes (truncated)")
-        done += n
-        progress.advance(n)
+@dataclass
+class PreparedCache:
+    """Everything known about a cache before its data is read: from headers and config alone."""
+
+    spec: CacheSpec
+    checkpoint: Checkpoint
+    plan: list[PlannedTensor]
+    layout: ArenaLayout
+    fields: dict[str, Any]
+    fingerprint: str
 
 
-def load_cache(spec: CacheSpec, progress: LoadProgress | None = None, show_bar: bool = False, name: str = "weightcache") -> LoadedCache:
-    """Run the whole cold path for `spec` and return a sealed arena with its layout."""
-    t0 = time.monotonic()
+def prepare_cache(spec: CacheSpec, device: str = "cpu") -> PreparedCache:
+    """Plan and lay out the arena for `spec`, refusing a checkpoint that is bad or too big."""
     checkpoint = open_checkpoint(spec.model)
     plan = plan_tensors(checkpoint, spec)
     layout = lay_out((p.name, p.dtype, p.shape, p.kind) for p in plan)
+    fields = fingerprint_fields(spec, checkpoint, device)
+    return PreparedCache(spec, checkpoint, plan, layout, fields, fingerprint(fields))
+
+
+def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | None = None, show_bar: bool = False,
+               started: float | None = None) -> LoadedCache:
+    """Read the checkpoint into `arena` (cpu or cuda) and seal it. Closes the arena on failure."""
+    t0 = time.monotonic() if started is None else started
+    plan, layout, checkpoint, spec = prepared.plan, prepared.layout, prepared.checkpoint, prepared.spec
     progress = progress or LoadProgress()
-    progress.start(sum(p.source.nbytes for p in plan), len(plan), show_bar)
-    arena = CpuArena(layout.size, name=name)
+    progress.start(sum(p.shard.nbytes for p in plan if p.shard is not None),
+                   sum(1 for p in plan if p.source is not None), show_bar)
     try:
-        buffer = arena.writable()
-        try:
-            fill_arena(buffer, layout, plan, progress)
-        finally:
-            buffer.release()
-            progress.finish()
+        if getattr(arena, "backend", "cpu") == "cuda":
+            from .cuda_fill import fill_cuda_arena
+
+            try:
+                fill_cuda_arena(arena, layout, plan, progress)
+            finally:
+                progress.finish()
+        else:
+            buffer = arena.writable()
+            try:
+                fill_arena(buffer, layout, plan, progress)
+            finally:
+                buffer.release()
+                progress.finish()
         arena.seal()
     except BaseException:
         arena.close()
         raise
-    fields = fingerprint_fields(spec, checkpoint)
-    seconds = time.monotonic() - t0
+    loaded = loaded_from(prepared, arena, time.monotonic() - t0)
     log.info("loaded %s: %d tensors, %.2f GiB in %.2fs (dtype %s)", checkpoint.directory, len(plan),
-             layout.nbytes / 2**30, seconds, resolved_dtype(spec, checkpoint))
-    return LoadedCache(spec, checkpoint, arena, layout, fields, fingerprint(fields), seconds)
+             layout.nbytes / 2**30, loaded.load_seconds, resolved_dtype(spec, checkpoint))
+    return loaded
+
+
+def loaded_from(prepared: PreparedCache, arena: Any, seconds: float) -> LoadedCache:
+    return LoadedCache(prepared.spec, prepared.checkpoint, arena, prepared.layout, prepared.fields,
+                       prepared.fingerprint, seconds)
+
+
+def new_cpu_arena(prepared: PreparedCache, name: str = "weightcache") -> CpuArena:
+    """A memfd arena for `prepared`, refused with the numbers before allocating when memory is short."""
+    size, spec = prepared.layout.size, prepared.spec
+    budget, source = memory_budget()
+    if size > budget:
+        raise OutOfMemory(
+            f"{prepared.checkpoint.directory}: the arena for tp_rank {spec.tp_rank}/{spec.tp_size} needs {size} bytes "
+            f"({size / 2**30:.2f} GiB) but {source} allows {budget} bytes ({budget / 2**30:.2f} GiB)"
+        )
+    return CpuArena(size, name=name)
+
+
+def load_cache(spec: CacheSpec, progress: LoadProgress | None = None, show_bar: bool = False, name: str = "weightcache") -> LoadedCache:
+    """Run the whole cold path for `spec` on the cpu backend and return a sealed arena with its layout."""
+    t0 = time.monotonic()
+    prepared = prepare_cache(spec)
+    return fill_cache(prepared, new_cpu_arena(prepared, name), progress, show_bar, started=t0)
