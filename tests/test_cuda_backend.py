@@ -1,0 +1,260 @@
+"""The cuda backend. GPU tests skip without CUDA; `bench/gpu_suite.sh` runs them on an H200.
+
+The quantizer equality test runs everywhere: the GPU path's vectorised FP8 must give the
+same bytes as the cpu loader's, and that is a property of the arithmetic, checkable on cpu.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from agent_fixtures import AgentProcess
+from weightcache_agent import fp8
+from weightcache_agent.cuda_fill import quantize_blocks
+from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+
+
+def _has_cuda() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+cuda = pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU and cuda-bindings")
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300), (128, 100), (384, 1024)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_vectorised_quantizer_matches_the_cpu_loader_bit_for_bit(shape, dtype):
+    g = torch.Generator().manual_seed(1)
+    src = (torch.randn(shape, generator=g) * torch.logspace(-3, 2, shape[1])).to(dtype)
+    rb, cb = fp8.scale_shape(shape)
+    ref_out, ref_scale = torch.empty(shape, dtype=torch.float8_e4m3fn), torch.empty(rb, cb)
+    fp8.quantize_rows(src, ref_out, ref_scale, "w")
+    out, scale = torch.empty_like(ref_out), torch.empty_like(ref_scale)
+    assert not bool(quantize_blocks(src, out, scale))
+    assert torch.equal(out.view(torch.uint8), ref_out.view(torch.uint8))
+    assert torch.equal(scale, ref_scale)
+
+
+def test_vectorised_quantizer_flags_non_finite_values():
+    src = torch.ones(128, 128, dtype=torch.bfloat16)
+    src[5, 7] = float("nan")
+    assert bool(quantize_blocks(src, torch.empty(128, 128, dtype=torch.float8_e4m3fn), torch.empty(1, 1)))
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------
+
+ENGINE = textwrap.dedent("""
+    import json, os, sys, time, torch
+    from weightcache_agent import CacheSpec, attach
+    from weightcache_agent.checkpoint import open_checkpoint
+    from weightcache_agent.synthetic import skeleton_module
+    model, sock, quant = sys.argv[1], sys.argv[2], sys.argv[3]
+    ck = open_checkpoint(model)
+    dtype_of = lambda n, r: torch.float8_e4m3fn if quant == "fp8-block" and n.endswith("_proj.weight") else r.dtype
+    module = skeleton_module({n: (r.shape, dtype_of(n, r)) for n, r in ck.tensors.items()})
+    att = attach(module, CacheSpec(model=model, quantization=quant), socket=sock, strict=False)
+    p = dict(module.named_parameters()); p.update(dict(module.named_buffers()))
+    print(json.dumps({"pid": os.getpid(), "device": str(next(iter(p.values())).device), "seconds": att.seconds}), flush=True)
+    for line in sys.stdin:
+        cmd = line.strip()
+        if cmd == "dump":
+            torch.save({n: t.cpu() for n, t in p.items()}, sys.argv[4]); out = {"dumped": True}
+        elif cmd == "matmul":
+            w = p["model.layers.0.mlp.down_proj.weight"]
+            x = torch.ones(w.shape[1], 4, device=w.device, dtype=torch.float32)
+            out = {"sum": float((w.float() @ x).sum())}
+        elif cmd == "write":
+            next(iter(p.values())).data.add_(1); torch.cuda.synchronize(); out = {"wrote": True}
+        elif cmd == "free":
+            torch.cuda.synchronize(); out = {"free": torch.cuda.mem_get_info()[0]}
+        elif cmd == "status":
+            out = {"alive": att.agent_alive, "rejoins": att.rejoins}
+        elif cmd == "close":
+            att.close(); del module, p, att; import gc; gc.collect(); torch.cuda.synchronize()
+            out = {"free": torch.cuda.mem_get_info()[0]}
+        print(json.dumps(out), flush=True)
+""")
+
+
+class Engine:
+    def __init__(self, model: str, sock: str, quant: str = "none", dump: str = "/dev/null", wrap: list[str] = ()):
+        self.proc = subprocess.Popen([*wrap, sys.executable, "-c", ENGINE, model, sock, quant, dump],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline()
+        assert line, f"engine died with {self.proc.wait()}"
+        import json
+
+        self.hello = json.loads(line)
+
+    def ask(self, cmd: str) -> dict:
+        import json
+
+        self.proc.stdin.write(cmd + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        assert line, f"engine died with {self.proc.wait()}"
+        return json.loads(line)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gpu_model(tmp_path_factory) -> str:
+    shape = LlamaShape(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                       num_key_value_heads=8, vocab_size=16384)
+    return write_llama_checkpoint(str(tmp_path_factory.mktemp("gpu") / "m"), shape)
+
+
+def _arena(model: str, sock: str, backend: str, quant: str, tmp_path, name: str) -> dict:
+    agent = AgentProcess(model, sock, "--backend", backend, "--quantization", quant)
+    try:
+        agent.wait_ready(300)
+        engine = Engine(model, sock, quant, dump=str(tmp_path / f"{name}.pt"))
+        assert engine.ask("dump") == {"dumped": True}
+        engine.stop()
+        return torch.load(tmp_path / f"{name}.pt")
+    finally:
+        agent.stop()
+
+
+@cuda
+@pytest.mark.parametrize("quant", ["none", "fp8-block"])
+def test_cuda_arena_holds_the_same_bytes_as_the_cpu_arena(gpu_model, tmp_path, quant):
+    on_gpu = _arena(gpu_model, str(tmp_path / "g.sock"), "cuda", quant, tmp_path, "gpu")
+    on_cpu = _arena(gpu_model, str(tmp_path / "c.sock"), "cpu", quant, tmp_path, "cpu")
+    assert on_gpu.keys() == on_cpu.keys()
+    for name in on_cpu:
+        assert torch.equal(on_gpu[name].view(torch.uint8), on_cpu[name].view(torch.uint8)), name
+
+
+@cuda
+def test_engine_computes_after_agent_sigkill_and_memory_returns_when_the_last_engine_goes(gpu_model, tmp_path):
+    torch.cuda.init()
+    baseline = torch.cuda.mem_get_info()[0]
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(gpu_model, sock, "--backend", "cuda")
+    status = agent.wait_ready(300)
+    engine = Engine(gpu_model, sock)
+    try:
+        assert engine.hello["device"].startswith("cuda")
+        before = engine.ask("matmul")["sum"]
+        agent.proc.kill()
+        agent.proc.wait()
+        assert engine.ask("matmul")["sum"] == before
+        held = torch.cuda.mem_get_info()[0]
+        assert baseline - held >= status["bytes"], "the arena was freed while an engine still maps it"
+        engine.ask("close")
+        deadline = time.monotonic() + 10
+        while torch.cuda.mem_get_info()[0] < baseline - 64 * 2**20 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert torch.cuda.mem_get_info()[0] >= baseline - 64 * 2**20, "arena memory not freed after the last engine"
+    finally:
+        engine.stop()
+        agent.stop()
+
+
+@cuda
+def test_write_through_a_read_only_mapping_fails_in_that_engine_only(gpu_model, tmp_path):
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(gpu_model, sock, "--backend", "cuda")
+    agent.wait_ready(300)
+    writer, reader = Engine(gpu_model, sock), Engine(gpu_model, sock)
+    try:
+        before = reader.ask("matmul")["sum"]
+        writer.proc.stdin.write("write\n")
+        writer.proc.stdin.flush()
+        assert writer.proc.wait(60) != 0
+        assert reader.ask("matmul")["sum"] == before
+    finally:
+        writer.stop()
+        reader.stop()
+        agent.stop()
+
+
+@cuda
+def test_200_attach_detach_cycles_leave_no_memory_or_fds(gpu_model, tmp_path):
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(gpu_model, sock, "--backend", "cuda")
+    agent.wait_ready(300)
+    script = textwrap.dedent(f"""
+        import gc, json, os, torch
+        from weightcache_agent import CacheSpec, attach
+        from weightcache_agent.checkpoint import open_checkpoint
+        from weightcache_agent.synthetic import skeleton_module
+        ck = open_checkpoint({gpu_model!r})
+        def once():
+            m = skeleton_module({{n: (r.shape, r.dtype) for n, r in ck.tensors.items()}})
+            attach(m, CacheSpec(model={gpu_model!r}), socket={sock!r}).close()
+        once(); gc.collect(); torch.cuda.synchronize()
+        free0, fds0 = torch.cuda.mem_get_info()[0], len(os.listdir("/proc/self/fd"))
+        for _ in range(200):
+            once()
+        gc.collect(); torch.cuda.synchronize()
+        print(json.dumps({{"free0": free0, "free1": torch.cuda.mem_get_info()[0], "fds0": fds0,
+                          "fds1": len(os.listdir("/proc/self/fd"))}}))
+    """)
+    try:
+        fds_agent = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
+        import json
+
+        out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                                        timeout=600).stdout)
+        assert out["fds1"] <= out["fds0"]
+        assert out["free1"] >= out["free0"] - 4 * 2**20
+        time.sleep(0.2)
+        assert len(os.listdir(f"/proc/{agent.proc.pid}/fd")) <= fds_agent
+    finally:
+        agent.stop()
+
+
+@cuda
+def test_engine_in_its_own_pid_and_ipc_namespace_attaches(gpu_model, tmp_path):
+    if subprocess.run(["unshare", "--pid", "--ipc", "--fork", "--mount-proc", "true"]).returncode != 0:
+        pytest.skip("unshare into new PID/IPC namespaces is not permitted here")
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(gpu_model, sock, "--backend", "cuda")
+    agent.wait_ready(300)
+    engine = Engine(gpu_model, sock, wrap=["unshare", "--pid", "--ipc", "--fork", "--mount-proc"])
+    try:
+        assert engine.hello["pid"] == 1 or engine.hello["pid"] < 10  # it sees its own PID namespace
+        assert engine.ask("matmul")["sum"] != 0
+    finally:
+        engine.stop()
+        agent.stop()
+
+
+@cuda
+def test_restarted_agent_adopts_the_gpu_arena_from_an_engine(gpu_model, tmp_path):
+    sock = str(tmp_path / "a.sock")
+    first = AgentProcess(gpu_model, sock, "--backend", "cuda")
+    first.wait_ready(300)
+    engine = Engine(gpu_model, sock)
+    second = None
+    try:
+        before = engine.ask("matmul")["sum"]
+        first.proc.send_signal(signal.SIGKILL)
+        first.proc.wait()
+        second = AgentProcess(gpu_model, sock, "--backend", "cuda")
+        status = second.wait_ready(300)
+        assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
+        newcomer = Engine(gpu_model, sock)
+        assert newcomer.ask("matmul")["sum"] == before
+        newcomer.stop()
+    finally:
+        engine.stop()
+        if second is not None:
+            second.stop()
