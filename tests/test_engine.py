@@ -173,3 +173,23 @@ def test_client_mode_without_agent_fails_with_a_clear_message(module_supervisor,
     engine = module_supervisor.start_engine(llama_checkpoint, "orphan", socket=module_supervisor.run_dir + "/none.sock")
     assert engine.proc.wait(60) == 1
     assert "no agent answers at" in engine.log()
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8-block"])
+def test_tensor_parallel_rank_builds_and_attaches_its_shard(qwen2_checkpoint, quantization):  # noqa: F811
+    """Each rank's model declares its slice's shapes; the rebind checks them against the loader's slices."""
+    full_model, _ = load_model(CacheSpec(model=qwen2_checkpoint), mode="off")
+    for rank in range(2):
+        spec = CacheSpec(model=qwen2_checkpoint, tp_size=2, tp_rank=rank, quantization=quantization)
+        try:
+            model, _ = load_model(spec, mode="off")
+        except CheckpointError as e:
+            pytest.skip(f"this checkout cannot load {quantization} with tp_size=2: {e}")
+        attn = model.model.layers[0].self_attn
+        assert attn.heads == 2 and attn.kv_heads == 1
+        assert tuple(attn.q_proj.weight.shape) == (64, 128) and tuple(attn.o_proj.weight.shape) == (128, 64)
+        assert tuple(model.model.embed_tokens.weight.shape) == (256, 128)  # vocab-parallel
+        if quantization == "none":  # the rank's rows are exactly its part of the full tensor
+            assert torch.equal(attn.k_proj.weight, full_model.model.layers[0].self_attn.k_proj.weight[32 * rank: 32 * (rank + 1)])
+        with pytest.raises(NotImplementedError, match="tensor-parallel"):
+            model(torch.tensor([PROMPT]))

@@ -51,7 +51,7 @@ class ModelConfig:
     eos_token_id: tuple[int, ...] = ()
     dtype: torch.dtype = torch.bfloat16  # of every tensor that is not FP8
     quantization: str = "none"  # "none" | "fp8-block"
-    tp_size: int = 1  # this rank holds 1/tp_size of the heads and of the MLP
+    tp_size: int = 1  # this rank holds 1/tp_size of the heads, of the MLP and of the vocabulary
 
     @classmethod
     def from_pretrained(cls, directory: str, dtype: torch.dtype | None = None, quantization: str = "none",
@@ -106,7 +106,7 @@ class ModelConfig:
             raise ValueError(f"{self.num_attention_heads} attention heads are not a multiple of "
                              f"{self.num_key_value_heads} key/value heads")
         for what, n in (("attention heads", self.num_attention_heads), ("key/value heads", self.num_key_value_heads),
-                        ("intermediate size", self.intermediate_size)):
+                        ("intermediate size", self.intermediate_size), ("vocabulary", self.vocab_size)):
             if n % self.tp_size:
                 raise ValueError(f"{what} ({n}) do not split evenly over tp_size={self.tp_size}")
         kind = (self.rope_scaling or {}).get("rope_type") or (self.rope_scaling or {}).get("type")
@@ -124,6 +124,11 @@ class ModelConfig:
     @property
     def local_intermediate(self) -> int:
         return self.intermediate_size // self.tp_size
+
+    @property
+    def local_vocab(self) -> int:
+        # embed_tokens and lm_head are vocab-parallel (the loader's sharding presets split them on dim 0)
+        return self.vocab_size // self.tp_size
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -317,7 +322,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary: Rotary):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=config.dtype)
+        self.embed_tokens = nn.Embedding(config.local_vocab, config.hidden_size, dtype=config.dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, n, rotary) for n in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
@@ -329,7 +334,7 @@ class CausalLM(nn.Module):
         self.config = config
         self.rotary = Rotary(config)
         self.model = DecoderModel(config, self.rotary)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, False, config.dtype)
+        self.lm_head = Linear(config.hidden_size, config.local_vocab, False, config.dtype)
         if config.tie_word_embeddings:
             # One Parameter under both names: rebind fills it once from `model.embed_tokens.weight`.
             self.lm_head.weight = self.model.embed_tokens.weight
