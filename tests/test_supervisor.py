@@ -39,7 +39,7 @@ RANK_KEYS = {"rank": int, "device": str, "phase": str, "bytes": int, "progress":
 class Node:
     """`weightcache agent --socket-dir ...` as a subprocess, asked over HTTP."""
 
-    def __init__(self, model: str, workdir: str, *extra: str):
+    def __init__(self, model: str, workdir: str, *extra: str, tp_size: int = 2, backend: str = "cpu"):
         self.socket_dir = os.path.join(workdir, "sockets")
         self.port_file = os.path.join(workdir, "port")
         self.log_path = os.path.join(workdir, "node.log")
@@ -47,7 +47,8 @@ class Node:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", self.socket_dir,
-                 "--tp-size", "2", "--devices", "all", "--quantization", "none", "--dtype", "auto", "--backend", "cpu",
+                 "--tp-size", str(tp_size), "--devices", "all", "--quantization", "none", "--dtype", "auto",
+                 "--backend", backend,
                  "--http-port", "0", "--port-file", self.port_file, "--node-name", "node-a", *extra],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         self._port: int | None = None
@@ -373,3 +374,40 @@ def test_http_endpoints_and_metrics_in_process():
         assert samples[("weightcache_attach_seconds_bucket", (a[0], ("le", "0.001"), a[1]))] == 0
     finally:
         server.close()
+
+
+def _cuda_ready() -> bool:
+    try:
+        import cuda.bindings.driver  # noqa: F401
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA GPU and cuda-bindings")
+def test_cuda_node_sockets_named_by_gpu_uuid(model, workdir):
+    """What the DaemonSet runs (`--backend auto --devices all`), on every GPU this machine has."""
+    import torch
+
+    from weightcache_agent.devices import cuda_devices
+
+    gpus = len(cuda_devices())
+    uuids = [d.uuid for d in cuda_devices()]
+    node = Node(model, os.path.join(workdir, "cuda"), tp_size=gpus, backend="auto")
+    try:
+        status = node.wait(lambda s: s["phase"] in ("Ready", "Failed"), "Ready node", timeout=120)
+        assert status["phase"] == "Ready", status
+        assert status["backend"] == "cuda" and status["gpuUUIDs"] == uuids
+        for r, uuid in zip(status["ranks"], uuids):
+            assert r["device"] == uuid and r["socket"] == os.path.join(node.socket_dir, f"{uuid}.sock")
+            worker = agent_status(r["socket"])
+            assert worker["backend"] == "cuda" and worker.get("device", uuid) == uuid
+            assert r["bytes"] == worker["bytes"] > 0
+        assert torch.cuda.device_count() == gpus
+        m = node.metrics()
+        assert m["weightcache_rank_ready"][(("device", uuids[0]), ("rank", "0"))] == 1
+    finally:
+        assert node.stop() == 0, node.log()
+    assert [n for n in os.listdir(node.socket_dir) if n.endswith((".sock", ".lock"))] == []
