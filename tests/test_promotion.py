@@ -53,7 +53,7 @@ def roles(agent) -> dict[int, tuple[str, str]]:
     return {c["pid"]: (c["role"], c["group"]) for c in agent.status()["clients"]}
 
 
-def test_standby_is_promoted_when_the_primary_dies(module_supervisor, cluster, agent, llama_checkpoint):  # noqa: F811
+def test_standby_is_promoted_when_the_primary_dies(cluster, agent, llama_checkpoint):  # noqa: F811
     engines = cluster[1]
     older, primary, younger = engines["s1"], engines["p1"], engines["s2"]  # s1 attached first: the oldest standby
     primary.wait_state(lambda h: h["ready"], what="readiness")
@@ -101,7 +101,7 @@ def test_standby_is_promoted_when_the_primary_dies(module_supervisor, cluster, a
     assert younger.generate(PROMPT, 8)[1]["tokens"] == expected["tokens"]
 
 
-def test_standby_of_another_group_is_not_promoted(module_supervisor, cluster, agent, llama_checkpoint):  # noqa: F811
+def test_standby_of_another_group_is_not_promoted(cluster, agent, llama_checkpoint):  # noqa: F811
     engines = cluster[1]
     other = engines["other"]  # older than `same`, but of another group
     primary, same = engines["p2"], engines["same"]
@@ -118,7 +118,7 @@ def test_standby_of_another_group_is_not_promoted(module_supervisor, cluster, ag
     assert current[other.pid] == ("standby", "g2-b") and current[same.pid] == ("primary", "g2-a")
 
 
-def test_a_second_primary_is_refused(module_supervisor, cluster, agent, llama_checkpoint):  # noqa: F811
+def test_a_second_primary_is_refused(cluster, agent, llama_checkpoint):  # noqa: F811
     primary, second = cluster[1]["p3"], cluster[1]["p3b"]  # p3b started after p3 was serving
     assert readyz(primary) == 200
     assert second.proc.wait(60) == 1

@@ -25,7 +25,6 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import torch
 
 from .client import Attachment, attach
 from .checkpoint import dtype_from_name, open_checkpoint
