@@ -54,9 +54,9 @@ def first_success(engine: EngineChild, start: float, max_tokens: int, timeout: f
         time.sleep(0.0005)
 
 
-def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int,
-                   timeout: float) -> tuple[list[float], list[int], list[float]]:
-    agent = sup.start_agent(model)
+def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, timeout: float,
+                   backend: str) -> tuple[list[float], list[int], list[float]]:
+    agent = sup.start_agent(model, backend=backend)
     agent.wait_ready(timeout)
     primary = sup.start_engine(model, "primary-0", socket=agent.socket, group=GROUP)
     standby = sup.start_engine(model, "standby-1", socket=agent.socket, group=GROUP, role="standby")
@@ -100,7 +100,7 @@ def bench_cold(sup: Supervisor, model: str, trials: int, max_tokens: int, timeou
     return times
 
 
-def machine() -> str:
+def machine(backend: str) -> str:
     cpu = "unknown cpu"
     try:
         with open("/proc/cpuinfo") as f:
@@ -108,7 +108,7 @@ def machine() -> str:
     except (OSError, StopIteration):
         pass
     return (f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, backend cpu, load average {os.getloadavg()[0]:.1f} at the end")
+            f"torch {torch.__version__}, backend {backend}, load average {os.getloadavg()[0]:.1f} at the end")
 
 
 def main() -> int:
@@ -119,13 +119,15 @@ def main() -> int:
     p.add_argument("--cold-trials", type=int, default=20, help="cold restart trials")
     p.add_argument("--max-tokens", type=int, default=1, help="tokens per probe request")
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--backend", default="cpu", choices=("cpu", "cuda"),
+                   help="the agent's backend; the cold restart (--mode off) loads on the cpu either way")
     args = p.parse_args()
 
     model = args.model or ensure_checkpoint(default_cache_dir(), args.size, Console(quiet=False))[0]
     size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
     with Supervisor(tempfile.mkdtemp(prefix="wc-bench-")) as sup:
         print(f"failover: {args.trials} trials", file=sys.stderr)
-        failover, expected, compute = bench_failover(sup, model, args.trials, args.max_tokens, args.timeout)
+        failover, expected, compute = bench_failover(sup, model, args.trials, args.max_tokens, args.timeout, args.backend)
         print(f"cold restart: {args.cold_trials} trials", file=sys.stderr)
         cold = bench_cold(sup, model, args.cold_trials, args.max_tokens, args.timeout, expected)
 
@@ -134,7 +136,7 @@ def main() -> int:
     print()
     print(f"model: {model} ({size / 1e6:.0f} MB safetensors); request: {len(PROMPT)} prompt tokens, "
           f"max_tokens {args.max_tokens}")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(args.backend)}")
     print(f"command: python bench/failover.py {' '.join(sys.argv[1:])}".rstrip())
     print()
     print("| path | trials | p50 | p99 | mean |")

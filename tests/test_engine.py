@@ -24,8 +24,8 @@ from weightcache_agent.supervise import http_json
 @pytest.fixture(scope="module")
 def cluster(module_supervisor, llama_checkpoint, qwen2_checkpoint):  # noqa: F811
     sup = module_supervisor
-    llama_agent = sup.start_agent(llama_checkpoint, "llama")
-    qwen_agent = sup.start_agent(qwen2_checkpoint, "qwen")
+    llama_agent = sup.start_agent(llama_checkpoint, "llama", backend="cpu")
+    qwen_agent = sup.start_agent(qwen2_checkpoint, "qwen", backend="cpu")
     engine = sup.start_engine(llama_checkpoint, "primary", socket=llama_agent.socket, group="g")
     llama_agent.wait_ready()
     qwen_agent.wait_ready()
@@ -135,7 +135,7 @@ def test_fp8_block_logits_match_in_process_fp8(module_supervisor, llama_checkpoi
     except CheckpointError as e:
         pytest.skip(f"fp8-block loading is not available in this checkout: {e}")
     probe.arena.close()
-    agent = module_supervisor.start_agent(llama_checkpoint, "fp8", extra=["--quantization", "fp8-block"])
+    agent = module_supervisor.start_agent(llama_checkpoint, "fp8", extra=["--quantization", "fp8-block"], backend="cpu")
     agent.wait_ready()
     attached, lease = load_model(spec, mode="client", socket=agent.socket)
     disk, _ = load_model(spec, mode="off")

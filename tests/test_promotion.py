@@ -24,7 +24,7 @@ def cluster(module_supervisor, llama_checkpoint):  # noqa: F811
     cannot disturb each other while all engines start in parallel.
     """
     sup, ck = module_supervisor, llama_checkpoint
-    agent = sup.start_agent(ck)
+    agent = sup.start_agent(ck, backend="cpu")
     sock = agent.socket
     first = {
         "s1": sup.start_engine(ck, "s1", socket=sock, group="g1", role="standby"),

@@ -208,8 +208,11 @@ class Supervisor:
         os.makedirs(run_dir, exist_ok=True)
         self.children: list[Child] = []
 
-    def start_agent(self, model: str, name: str = "agent", extra: list[str] | None = None) -> AgentChild:
-        child = AgentChild(os.path.join(self.run_dir, f"{name}.sock"), model, os.path.join(self.run_dir, f"{name}.log"), extra)
+    def start_agent(self, model: str, name: str = "agent", extra: list[str] | None = None,
+                    backend: str | None = None) -> AgentChild:
+        """An agent on `<run_dir>/<name>.sock`; `backend` ("auto", "cpu", "cuda") is passed on when given."""
+        args = (["--backend", backend] if backend else []) + list(extra or [])
+        child = AgentChild(os.path.join(self.run_dir, f"{name}.sock"), model, os.path.join(self.run_dir, f"{name}.log"), args)
         self.children.append(child)
         return child
 
