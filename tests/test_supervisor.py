@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,9 +22,10 @@ from typing import Any, Callable
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from weightcache_agent import agent_status, protocol
+from weightcache_agent import CacheSpec, agent_status
 from weightcache_agent.agent_http import AgentHTTPServer, AgentMetrics
 from weightcache_agent.devices import Device
+from weightcache_agent.engine import load_model
 from weightcache_agent.supervisor import NodeConfig, NodeSupervisor, Worker, failure_message, node_phase
 from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -40,6 +40,7 @@ class Node:
     """`weightcache agent --socket-dir ...` as a subprocess, asked over HTTP."""
 
     def __init__(self, model: str, workdir: str, *extra: str, tp_size: int = 2, backend: str = "cpu"):
+        self.model = model
         self.socket_dir = os.path.join(workdir, "sockets")
         self.port_file = os.path.join(workdir, "port")
         self.log_path = os.path.join(workdir, "node.log")
@@ -177,16 +178,12 @@ def test_two_ranks_ready_status_and_metrics(node):
     assert status["loadSeconds"] == pytest.approx(max(w["load_seconds"] for w in workers), abs=1e-5)
     assert node.get("/nope")[0] == 404
 
-    # An engine attaches to rank 0 over the real protocol and holds its lease.
-    engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    engine.connect(status["ranks"][0]["socket"])
-    protocol.send_message(engine, {"type": "attach", "pid": os.getpid(), "role": "primary", "group": None,
-                                   "fields": workers[0]["fields"]})
-    reply, fds = protocol.recv_message(engine, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
-    for fd in fds:
-        os.close(fd)
-    assert reply["type"] == "manifest", reply
+    # An engine (the reference engine's load path, in this process) attaches to rank 0 and
+    # holds its lease while the metrics are read.
+    _, attachment = load_model(CacheSpec(model=node.model, tp_size=2, tp_rank=0), mode="client",
+                               socket=status["ranks"][0]["socket"])
     try:
+        assert attachment.source == "agent"
         status = node.wait(lambda s: s["clients"] == 1, "attached client", timeout=10)
         assert [r["clients"] for r in status["ranks"]] == [1, 0]
         deadline = time.monotonic() + 10
@@ -194,7 +191,7 @@ def test_two_ranks_ready_status_and_metrics(node):
             assert time.monotonic() < deadline, m["weightcache_attach_seconds_count"]
             time.sleep(0.1)
     finally:
-        engine.close()
+        attachment.close()
 
     for rank, worker in enumerate(workers):
         labels = rank_labels(rank)

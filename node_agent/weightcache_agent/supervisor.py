@@ -206,7 +206,14 @@ class Worker:
         """Advance this rank by one poll: start, reap, or ask for status."""
         if self.proc is None:
             if self.next_start is not None and now >= self.next_start:
-                self.spawn()
+                try:
+                    self.spawn()
+                except OSError as e:  # fork/exec refused (memory, process limits): try again later
+                    delay = min(CRASH_BACKOFF[0] * 2 ** self.crashes, CRASH_BACKOFF[1])
+                    self.crashes += 1
+                    self.phase, self.next_start = "Restarting", now + delay
+                    self.message = f"could not start the worker: {e}; retrying in {delay:.0f}s"
+                    log.error("rank %d (%s): %s", self.rank, self.device.uuid, self.message)
             return
         code = self.proc.poll()
         if code is not None:
@@ -262,10 +269,11 @@ class Worker:
             # back off so a worker that dies at once cannot spin.
             delay = min(CRASH_BACKOFF[0] * 2 ** self.crashes, CRASH_BACKOFF[1])
             self.crashes += 1
-            how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            # A signal says it all; an exit status is explained by the worker's last words.
+            how = f"worker killed by signal {-code}" if code < 0 else reason
             self.phase, self.next_start = "Restarting", now + delay
-            self.message = f"worker {how}; restarting in {delay:.0f}s"
-            log.warning("%s: worker pid=%d %s, restarting in %.1fs (last output: %s)", where, pid, how, delay, reason)
+            self.message = f"{how}; restarting in {delay:.0f}s"
+            log.warning("%s: worker pid=%d: %s, restarting in %.1fs", where, pid, how, delay)
 
     def terminate(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -360,6 +368,7 @@ class NodeSupervisor:
         self.devices = devices
         self.setup_error = setup_error
         self.workers = [Worker(rank, device, config, on_attach, out) for rank, device in enumerate(devices)]
+        self._stopping = False
         self._heartbeat = time.monotonic()
         self._snapshot = self._build()
 
@@ -375,7 +384,10 @@ class NodeSupervisor:
                 for worker in self.workers:
                     if stop.is_set():
                         break
-                    worker.tick(time.monotonic())
+                    try:
+                        worker.tick(time.monotonic())
+                    except Exception:  # a bug in one rank's bookkeeping must not orphan the others
+                        log.exception("rank %d: supervising the worker failed", worker.rank)
                 self._publish()
                 stop.wait(POLL_INTERVAL)
         finally:
@@ -383,6 +395,8 @@ class NodeSupervisor:
 
     def shutdown(self, timeout: float = STOP_TIMEOUT) -> None:
         """SIGTERM every worker at once, SIGKILL what outlives `timeout`, remove the sockets."""
+        self._stopping = True
+        self._publish()  # not ready from now on
         for worker in self.workers:
             worker.terminate()
         deadline = time.monotonic() + timeout
@@ -402,6 +416,8 @@ class NodeSupervisor:
     def _build(self) -> dict[str, Any]:
         ranks = [w.to_json() for w in self.workers]
         phase, message = node_phase(ranks, self.setup_error)
+        if self._stopping:
+            phase, message = "Pending", "agent is shutting down"
         load = [r["loadSeconds"] for r in ranks if r["loadSeconds"] is not None]
         return {
             "node": self.config.node_name,
