@@ -141,20 +141,20 @@ def test_client_killed_mid_attach(model, agent, bystander):
     script = textwrap.dedent(f"""
         import os, signal, socket
         from weightcache_agent import protocol
-        from weightcache_agent.checkpoint import open_checkpoint
-        from weightcache_agent.fingerprint import fingerprint_fields
+        from weightcache_agent.fingerprint import engine_request
         from weightcache_agent.spec import CacheSpec
-        fields = fingerprint_fields(CacheSpec(model={model!r}), open_checkpoint({model!r}), device=None)
+        request = engine_request(CacheSpec(model={model!r}))
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect({agent.socket!r})
-        protocol.send_message(s, {{"type": "attach", "pid": os.getpid(), "role": "primary", "group": None, "fields": fields}})
+        protocol.send_message(s, {{"type": "attach", "pid": os.getpid(), "role": "primary", "group": None, "request": request}})
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     proc = subprocess.run([sys.executable, "-c", script], timeout=60)
     assert proc.returncode == -9
     for _ in range(3):  # and a client that hangs up right after asking
         s = raw(agent)
-        protocol.send_message(s, {"type": "attach", "role": "primary", "group": None, "fields": {}})
+        protocol.send_message(s, {"type": "attach", "role": "primary", "group": None,
+                                  "request": {"spec": {"model": model}, "revision": "x", "torch": "0"}})
         s.close()
     still_serving(model, agent, bystander)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import protocol
 from .errors import ProtocolError, WeightCacheError
-from .fingerprint import differences
+from .fingerprint import differences, fields_for_request
 from .cpu_arena import CpuArena
 from .devices import Device
 from .loader import LoadedCache, LoadProgress, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
@@ -316,19 +316,25 @@ class Agent:
 
     def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None) -> Lease | None:
         started = time.perf_counter()
-        role, group, fields = message.get("role", "primary"), message.get("group"), message.get("fields")
-        if role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(fields, dict):
-            raise ProtocolError(f"attach needs role in {ROLES}, group a string or null, fields an object; got "
-                                f"role={role!r} group={group!r} fields={type(fields).__name__}")
+        role, group, request = message.get("role", "primary"), message.get("group"), message.get("request")
+        if (role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(request, dict)
+                or not isinstance(request.get("spec"), dict)):
+            raise ProtocolError(f"attach needs role in {ROLES}, group a string or null, request an object with a "
+                                f"spec; got role={role!r} group={group!r} request={type(request).__name__}")
         self._ready.wait()
         if self.cache is None:
             protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
+            return None
+        try:
+            fields = fields_for_request(request, self.cache.checkpoint)
+        except (KeyError, TypeError, ValueError, WeightCacheError) as e:
+            protocol.send_message(conn, protocol.error_message("bad_request", f"cannot evaluate the engine's spec: {e}"))
             return None
         diff = differences(self.cache.fields, fields)
         if diff:
             log.warning("refused attach from pid=%s: fingerprint differs in %s", peer, ", ".join(diff))
             protocol.send_message(conn, protocol.error_message(
-                "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields))
+                "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
             return None
         pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
         lease = self._register(conn, pid, role, group)

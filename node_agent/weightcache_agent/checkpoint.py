@@ -80,7 +80,7 @@ class Checkpoint:
     files: list[str]
     tensors: dict[str, TensorRecord]
     config: dict[str, Any] | None
-    revision: str  # content identity of the headers
+    revision: str  # content identity of the headers and config.json (`content_identity`)
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
@@ -164,31 +164,66 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
     return TensorRecord(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
-def open_checkpoint(directory: str) -> Checkpoint:
-    """Index a checkpoint directory (single file or sharded with an index) from its headers."""
-    directory = os.path.abspath(directory)
+def _shard_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
+    """The checkpoint's safetensors files (sorted names) and, when sharded, the index's weight map."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: model directory does not exist")
     index_path = os.path.join(directory, INDEX_FILE)
-    expected: dict[str, str] | None = None
     if os.path.exists(index_path):
         expected = _read_index(index_path)
         files = sorted(set(expected.values()))
         for fname in files:
             if not os.path.isfile(os.path.join(directory, fname)):
                 raise CheckpointError(f"{index_path}: names shard {fname!r}, which is missing from {directory}")
-    else:
-        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-        if not files:
-            raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
+        return files, expected
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
+    return files, None
+
+
+def _identity(directory: str, headers: list[tuple[str, int, bytes]]) -> str:
+    """Hash of (name, size, raw header) of every shard plus config.json: what decides the bytes served."""
     digest = hashlib.sha256()
+    for fname, size, raw in headers:
+        digest.update(f"{fname}\0{size}\0{len(raw)}\0".encode())
+        digest.update(raw)
+    try:
+        with open(os.path.join(directory, "config.json"), "rb") as f:
+            digest.update(b"config.json\0" + f.read())
+    except FileNotFoundError:
+        pass
+    return digest.hexdigest()[:16]
+
+
+def content_identity(directory: str) -> str:
+    """`Checkpoint.revision` without parsing or checking headers: cheap enough for every engine start."""
+    directory = os.path.abspath(directory)
+    files, _ = _shard_files(directory)
+    headers = []
+    for fname in files:
+        path = os.path.join(directory, fname)
+        try:
+            with open(path, "rb") as f:
+                (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
+                headers.append((fname, os.fstat(f.fileno()).st_size, f.read(min(length, MAX_HEADER_BYTES))))
+        except OSError as e:
+            raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
+    return _identity(directory, headers)
+
+
+def open_checkpoint(directory: str) -> Checkpoint:
+    """Index a checkpoint directory (single file or sharded with an index) from its headers."""
+    directory = os.path.abspath(directory)
+    files, expected = _shard_files(directory)
+    index_path = os.path.join(directory, INDEX_FILE)
+    headers: list[tuple[str, int, bytes]] = []
     tensors: dict[str, TensorRecord] = {}
     metadata: dict[str, dict[str, str]] = {}
     for fname in files:
         path = os.path.join(directory, fname)
         raw, records, meta = read_header(path)
-        digest.update(f"{fname}\0{os.path.getsize(path)}\0{len(raw)}\0".encode())
-        digest.update(raw)
+        headers.append((fname, os.path.getsize(path), raw))
         metadata[fname] = meta
         for name, record in records.items():
             if name in tensors:
@@ -206,7 +241,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
         files=[os.path.join(directory, f) for f in files],
         tensors=tensors,
         config=_read_config(directory),
-        revision=digest.hexdigest()[:16],
+        revision=_identity(directory, headers),
         metadata=metadata,
     )
 

@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from . import protocol
-from .checkpoint import dtype_from_name, open_checkpoint
+from .checkpoint import dtype_from_name
 from .cpu_arena import map_readonly
 from .errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
-from .fingerprint import fingerprint_fields
+from .fingerprint import differences, engine_request
 from .layout import ArenaLayout
 from .loader import load_cache
 from .rebind import rebind
@@ -233,14 +233,12 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
     started = time.perf_counter()
     fds: list[int] = []
     try:
-        fields = fingerprint_fields(spec, open_checkpoint(spec.model), device=None)
         conn.settimeout(timeout)
-        protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "fields": fields})
+        protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
+                                     "request": engine_request(spec)})
         reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
-            from .fingerprint import differences
-
-            raise FingerprintMismatch(differences(reply.get("fields") or {}, fields))
+            raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         _raise_on_error(reply, conn.getpeername())
         if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
             raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")

@@ -68,6 +68,33 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
     return fields
 
 
+def engine_request(spec: CacheSpec) -> dict[str, Any]:
+    """What an engine sends to attach: its spec, the content identity of its checkpoint, its torch.
+
+    Cheap by design (no header is parsed): the agent derives the engine's full fields from
+    it with `fields_for_request`, on the checkpoint it has already parsed.
+    """
+    from .checkpoint import content_identity
+
+    return {"spec": spec.to_json(), "revision": content_identity(spec.model),
+            "torch": environment_fields(None)["torch"]}
+
+
+def fields_for_request(request: dict[str, Any], checkpoint: Checkpoint) -> dict[str, Any]:
+    """The fields an engine would compute for its spec, had it parsed `checkpoint` itself.
+
+    Every derived field (resolved dtype, quantization source, sharding plan) is a function of
+    the spec and of the checkpoint's content, and the content is pinned by `revision`: where
+    the engine's revision matches ours, the checkpoint is the same and so are the derivations.
+    """
+    known = CacheSpec.__dataclass_fields__
+    spec = CacheSpec(**{k: v for k, v in request["spec"].items() if k in known})
+    fields = fingerprint_fields(spec, checkpoint, device=None)
+    fields.update(model=os.path.basename(str(spec.model).rstrip("/")), revision=request["revision"],
+                  torch=request["torch"])
+    return fields
+
+
 def fingerprint(fields: dict[str, Any]) -> str:
     return _short_hash(fields)
 
