@@ -36,9 +36,10 @@ from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_check
 def make_checkpoint(directory: str, gib: float) -> str:
     if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
         return directory
-    layers = max(1, int(gib * 2**30 / (98 * 2**20)))  # ~98 MiB and 9 tensors per layer at this shape
-    shape = LlamaShape(hidden_size=2048, intermediate_size=5632, num_hidden_layers=layers, num_attention_heads=16,
-                       num_key_value_heads=16, vocab_size=32000)
+    # ~151 MiB and 9 tensors per layer at this shape; at least 2000 tensors in all
+    layers = max(-(-int(gib * 1024) // 151), -(-(2000 - 3) // 9))
+    shape = LlamaShape(hidden_size=2560, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=20,
+                       num_key_value_heads=20, vocab_size=32000)
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, i = shape.hidden_size, shape.intermediate_size
     dims = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),

@@ -269,19 +269,20 @@ def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
         raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
     typed: dict[str, torch.Tensor] = {}
     views = {}
-    # One pass over the manifest, checking bounds as it goes: this loop is most of an attach.
+    # One pass over the manifest columns: this loop is most of an attach. as_strided itself
+    # refuses a view that reaches past the arena's storage.
     try:
-        for entry in manifest["tensors"]:
-            dtype_key, shape, stride, offset = entry["dtype"], entry["shape"], entry["stride"], entry["offset"]
+        columns = manifest["tensors"]
+        for name, dtype_key, shape, stride, offset in zip(columns["name"], columns["dtype"], columns["shape"],
+                                                          columns["stride"], columns["offset"], strict=True):
             whole = typed.get(dtype_key)
             if whole is None:
                 whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
             itemsize = whole.element_size()
-            end = offset + (sum((d - 1) * s for d, s in zip(shape, stride)) + 1) * itemsize if all(shape) else offset
-            if offset < 0 or offset % itemsize or end > arena["size"]:
-                raise ValueError(f"tensor {entry['name']!r} at offset {offset} does not fit an arena of {arena['size']} bytes")
-            views[entry["name"]] = whole.as_strided(shape, stride, offset // itemsize)
-    except (KeyError, TypeError, ValueError, WeightCacheError) as e:
+            if offset % itemsize:
+                raise ValueError(f"tensor {name!r} at offset {offset} is not aligned to its {dtype_key} elements")
+            views[name] = whole.as_strided(shape, stride, offset // itemsize)
+    except (KeyError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
     return views
 

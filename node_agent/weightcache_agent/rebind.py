@@ -35,30 +35,32 @@ def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -
     modules, params, buffers = _slots(module)
     problems: list[str] = []
     counts = {"parameters": 0, "buffers": 0, "extra": 0}
-    claimed: set[str] = set()
     unbound: list[tuple[str, torch.Tensor]] = []
 
     for kind, groups in (("parameters", params), ("buffers", buffers)):
-        for current, names in groups:
-            claimed.update(names)
-            source = names[0] if names[0] in tensors else next((n for n in names[1:] if n in tensors), None)
-            if source is None:
-                unbound.append((names[0], current))
+        for current, places in groups:
+            source, view = places[0][2], None
+            for _, _, name in places:
+                if name in tensors:
+                    source, view = name, tensors[name]
+                    break
+            if view is None:
+                unbound.append((source, current))
                 continue
-            view = tensors[source]
             if current.shape != view.shape or current.dtype != view.dtype:
                 problems.append(f"{source}: model expects {tuple(current.shape)} {_dt(current.dtype)}, cache holds "
                                 f"{tuple(view.shape)} {_dt(view.dtype)}")
-                unbound.append((names[0], current))
+                unbound.append((source, current))
                 continue
             new = nn.Parameter(view, requires_grad=False) if kind == "parameters" else view
-            for name in names:
-                prefix, _, leaf = name.rpartition(".")
-                getattr(modules[prefix], "_" + kind)[leaf] = new
+            for table, leaf, _ in places:
+                table[leaf] = new
             counts[kind] += 1
 
+    # Cache tensors the module does not declare (e.g. FP8 scales) become buffers of their owner.
+    declared = {name for groups in (params, buffers) for _, places in groups for _, _, name in places}
     for name, view in tensors.items():
-        if name in claimed:
+        if name in declared:
             continue
         prefix, _, leaf = name.rpartition(".")
         owner = modules.get(prefix)
@@ -78,12 +80,14 @@ def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -
     return counts
 
 
-Group = tuple[torch.Tensor, list[str]]
+# Where a tensor sits: (its owner's _parameters or _buffers dict, key there, qualified name).
+Place = tuple[dict, str, str]
+Group = tuple[torch.Tensor, list[Place]]
 
 
 def _slots(module: nn.Module) -> tuple[dict[str, nn.Module], list[Group], list[Group]]:
     """One walk of the module tree: every submodule by name, and every parameter/buffer with all
-    the names it is reachable under (tied weights, shared submodules)."""
+    the places it is reachable from (tied weights, shared submodules)."""
     modules: dict[str, nn.Module] = {}
     params: dict[int, Group] = {}
     buffers: dict[int, Group] = {}
@@ -92,10 +96,22 @@ def _slots(module: nn.Module) -> tuple[dict[str, nn.Module], list[Group], list[G
         prefix, mod = stack.pop()
         modules[prefix] = mod
         dot = prefix + "." if prefix else ""
-        for table, found in ((mod._parameters, params), (mod._buffers, buffers)):
-            for leaf, tensor in table.items():
-                if tensor is not None:
-                    found.setdefault(id(tensor), (tensor, []))[1].append(dot + leaf)
+        table = mod._parameters
+        for leaf, tensor in table.items():
+            if tensor is not None:
+                group = params.get(id(tensor))
+                if group is None:
+                    params[id(tensor)] = (tensor, [(table, leaf, dot + leaf)])
+                else:
+                    group[1].append((table, leaf, dot + leaf))
+        table = mod._buffers
+        for leaf, tensor in table.items():
+            if tensor is not None:
+                group = buffers.get(id(tensor))
+                if group is None:
+                    buffers[id(tensor)] = (tensor, [(table, leaf, dot + leaf)])
+                else:
+                    group[1].append((table, leaf, dot + leaf))
         for name, child in mod._modules.items():
             if child is not None:
                 stack.append((dot + name, child))
