@@ -33,11 +33,11 @@ from weightcache_agent.errors import AgentUnavailable  # noqa: E402
 from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_checkpoint  # noqa: E402
 
 
-def make_checkpoint(directory: str, gib: float) -> str:
+def make_checkpoint(directory: str, gib: float, min_tensors: int) -> str:
     if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
         return directory
     # ~151 MiB and 9 tensors per layer at this shape; at least 2000 tensors in all
-    layers = max(-(-int(gib * 1024) // 151), -(-(2000 - 3) // 9))
+    layers = max(-(-int(gib * 1024) // 151), -(-(min_tensors - 3) // 9))
     shape = LlamaShape(hidden_size=2560, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=20,
                        num_key_value_heads=20, vocab_size=32000)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -180,9 +180,10 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/wc-gpu-bench")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--attaches", type=int, default=10)
+    p.add_argument("--min-tensors", type=int, default=2000)
     args = p.parse_args()
     pkg = os.path.join(HERE, "..", "node_agent")
-    model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib)
+    model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib, args.min_tensors)
     ck = open_checkpoint(model)
     files, size, count = ck.files, ck.nbytes, len(ck.tensors)
     rows: list[tuple[str, str, str]] = []
