@@ -13,7 +13,8 @@ a worker's parent-death signal fires when the *thread* that forked it exits):
                             1 (checkpoint/memory said no) -> Failed, slow retry;
                             2 (refused spec) -> Failed for good
         alive?           -> ask its socket for status (`client.agent_status`), keep it,
-                            hand new attach latencies to the metrics
+                            hand new attach latencies to the metrics; a worker that
+                            stops answering is Unresponsive, then killed and restarted
     -> build one node status document (`snapshot()`), swapped in atomically
 
 The HTTP endpoints (agent_http.py) only ever read the last document, so a slow or hung
@@ -48,6 +49,7 @@ log = logging.getLogger("weightcache.supervisor")
 POLL_INTERVAL = 0.5  # seconds between status polls of every worker
 POLL_TIMEOUT = 2.0  # a worker's status answer slower than this counts as no answer
 STALE_AFTER = 10.0  # a live worker silent this long is Unresponsive (not ready)
+KILL_AFTER = 60.0  # ... and silent this long is wedged: killed, then restarted like a crash
 CRASH_BACKOFF = (1.0, 60.0)  # first delay and cap before restarting a crashed worker
 FAILED_RETRY = (300.0, 3600.0)  # exit 1: the input may get fixed (a mount appears, memory frees)
 HEARTBEAT_LIMIT = 30.0  # /healthz fails when the main loop has not ticked for this long
@@ -222,7 +224,13 @@ class Worker:
         try:
             status = agent_status(self.socket, timeout=POLL_TIMEOUT)
         except (WeightCacheError, OSError, ValueError) as e:
-            if self.last_answer and now - self.last_answer > STALE_AFTER:
+            silent = now - self.last_answer if self.last_answer else 0.0
+            if silent > KILL_AFTER:
+                # Engines keep their mappings; a restart gives the rank a working socket back.
+                log.error("rank %d (%s): worker pid=%d silent for %.0fs, killing it", self.rank, self.device.uuid,
+                          self.proc.pid, silent)
+                self.proc.kill()
+            elif silent > STALE_AFTER:
                 self.phase, self.message = "Unresponsive", f"worker stopped answering on its socket: {e}"
             return
         self.last_answer = now
