@@ -141,7 +141,8 @@ class Agent:
             raise
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
-        self._write_state()
+        if self.leases():  # engines that rejoined during the load hold the arena too
+            self._write_state()
         self.phase = "ready"
         self._ready.set()
 
@@ -184,10 +185,23 @@ class Agent:
             return None
 
     def _write_state(self) -> None:
+        """Record what engines hold, so a successor knows to wait for one to hand the arena back.
+
+        The file exists exactly while engines are attached: an agent restarted after its
+        last engine left loads from disk at once instead of waiting for nobody.
+        """
+        if self.prepared is None:
+            return
         tmp = self._state_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(self._state(), f)
         os.replace(tmp, self._state_path)
+
+    def _clear_state(self) -> None:
+        try:
+            os.unlink(self._state_path)
+        except FileNotFoundError:
+            pass
 
     def close(self) -> None:
         """Stop serving: remove the socket, drop every connection. Engines keep their mappings."""
@@ -204,10 +218,7 @@ class Agent:
             leases = list(self._leases.values())
             self._leases.clear()
         if not leases:  # nobody holds the arena: a successor has nothing to adopt
-            try:
-                os.unlink(self._state_path)
-            except FileNotFoundError:
-                pass
+            self._clear_state()
         for lease in leases:
             _shutdown(lease.conn)
         if self.cache is not None:
@@ -374,6 +385,8 @@ class Agent:
             else:
                 lease = Lease(next(self._ids), conn, pid, role, group)
                 self._leases[lease.id] = lease
+                if len(self._leases) == 1:
+                    self._write_state()
         if lease is None:
             protocol.send_message(conn, protocol.error_message(
                 "primary_exists", f"group {group!r} already has a primary; attach as a standby"))
@@ -423,6 +436,8 @@ class Agent:
         with self._lock:
             if self._leases.pop(lease.id, None) is None:
                 return
+            if not self._leases and not self._closed.is_set():
+                self._clear_state()
             successor = None
             if lease.role == "primary" and lease.group is not None:
                 standbys = [s for s in self._leases.values() if s.group == lease.group and s.role == "standby"]
