@@ -19,6 +19,8 @@ import torch
 
 from .errors import OutOfMemory
 
+# madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range in writable without touching it.
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
@@ -47,8 +49,11 @@ class CpuArena:
 
     backend = "cpu"
 
-    def __init__(self, size: int, name: str = "weightcache", fd: int | None = None):
+    def __init__(self, size: int, name: str = "weightcache", fd: int | None = None, reserve: bool = True):
+        """`reserve=False`: the caller reserves ranges itself with `reserve()` before writing them
+        (the loader does it on a thread, ahead of the reader, so allocation overlaps the disk)."""
         self.size = size
+        self.reserved_upfront = reserve or fd is not None
         self._mapping: mmap.mmap | None = None
         if fd is not None:  # an arena handed back by an engine
             self.fd = fd
@@ -61,7 +66,8 @@ class CpuArena:
         self.fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, size)
-            os.posix_fallocate(self.fd, 0, size)
+            if reserve:
+                os.posix_fallocate(self.fd, 0, size)
         except OSError as e:
             os.close(self.fd)
             raise OutOfMemory(f"cannot reserve an arena of {size / 2**30:.2f} GiB: {e.strerror}") from None
@@ -77,10 +83,25 @@ class CpuArena:
             raise ValueError(f"offered memfd holds {actual} bytes, the layout needs {size}")
         return cls(size, fd=fd)
 
-    def writable(self) -> memoryview:
+    def reserve(self, offset: int, length: int) -> None:
+        """Allocate the pages of [offset, offset+length) now (an error here, not a SIGBUS later) and,
+        when mapped, fault them in writable so the writer does not take one fault per page."""
+        try:
+            os.posix_fallocate(self.fd, offset, length)
+        except OSError as e:
+            raise OutOfMemory(f"cannot reserve {length} bytes at offset {offset} of an arena of "
+                              f"{self.size / 2**30:.2f} GiB: {e.strerror}") from None
+        if self._mapping is not None:
+            try:
+                self._mapping.madvise(MADV_POPULATE_WRITE, offset, length)
+            except OSError:
+                pass  # older kernel: pages fault in on first write instead
+
+    def writable(self, populate: bool = True) -> memoryview:
         """A writable view of the whole arena, valid until `seal()`."""
         if self._mapping is None:
-            self._mapping = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED | mmap.MAP_POPULATE, mmap.PROT_READ | mmap.PROT_WRITE)
+            flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
+            self._mapping = mmap.mmap(self.fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         return memoryview(self._mapping)
 
     def seal(self) -> None:

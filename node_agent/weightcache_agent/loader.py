@@ -253,9 +253,12 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             finally:
                 progress.finish()
         else:
-            buffer = arena.writable()
+            # an arena made with reserve=False gets its pages reserved on a thread ahead of the
+            # reader: allocating and faulting in a large arena takes about as long as reading it
+            upfront = getattr(arena, "reserved_upfront", True)
+            buffer = arena.writable(populate=upfront)
             try:
-                fill_arena(buffer, layout, plan, progress)
+                fill_arena(buffer, layout, plan, progress, reserve=None if upfront else arena.reserve)
             finally:
                 buffer.release()
                 progress.finish()
@@ -283,7 +286,7 @@ def new_cpu_arena(prepared: PreparedCache, name: str = "weightcache") -> CpuAren
             f"{prepared.checkpoint.directory}: the arena for tp_rank {spec.tp_rank}/{spec.tp_size} needs {size} bytes "
             f"({size / 2**30:.2f} GiB) but {source} allows {budget} bytes ({budget / 2**30:.2f} GiB)"
         )
-    return CpuArena(size, name=name)
+    return CpuArena(size, name=name, reserve=False)  # fill_cache reserves it, overlapped with reading
 
 
 def load_cache(spec: CacheSpec, progress: LoadProgress | None = None, show_bar: bool = False, name: str = "weightcache") -> LoadedCache:

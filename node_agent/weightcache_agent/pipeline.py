@@ -37,6 +37,53 @@ if TYPE_CHECKING:
 
 STAGING_BYTES = 32 * 1024 * 1024
 READ_CHUNK = 64 * 1024 * 1024
+RESERVE_CHUNK = 64 * 1024 * 1024
+
+
+class _Reservations:
+    """Arena pages reserved on a thread, ahead of the writers, so allocation overlaps the disk.
+
+    `reserve(offset, length)` (CpuArena.reserve) allocates and faults in a range; writers
+    call `wait(end)` before touching bytes below `end`. Slots are laid out in plan order,
+    so one pass from the start keeps ahead of the reader.
+    """
+
+    def __init__(self, reserve: Any, size: int):
+        self.done = 0 if reserve is not None else size
+        self.error: BaseException | None = None
+        self.cond = threading.Condition()
+        self.stop = False
+        if reserve is not None:
+            self.thread = threading.Thread(target=self._run, args=(reserve, size), name="load-reserve", daemon=True)
+            self.thread.start()
+
+    def _run(self, reserve: Any, size: int) -> None:
+        try:
+            for offset in range(0, size, RESERVE_CHUNK):
+                if self.stop:
+                    return
+                reserve(offset, min(RESERVE_CHUNK, size - offset))
+                with self.cond:
+                    self.done = min(size, offset + RESERVE_CHUNK)
+                    self.cond.notify_all()
+        except BaseException as e:
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def wait(self, end: int) -> None:
+        if self.done >= end:
+            return
+        with self.cond:
+            while self.done < end and self.error is None:
+                self.cond.wait()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        self.stop = True
+        if hasattr(self, "thread"):
+            self.thread.join()
 
 
 @dataclass
@@ -91,8 +138,12 @@ class _Reader:
 
 
 def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
-               workers: int | None = None, staging_bytes: int = STAGING_BYTES) -> None:
-    """Read and transform every planned tensor into its slot of `buffer` (writable arena view)."""
+               workers: int | None = None, staging_bytes: int = STAGING_BYTES, reserve: Any = None) -> None:
+    """Read and transform every planned tensor into its slot of `buffer` (writable arena view).
+
+    `reserve(offset, length)`, when given, allocates arena pages; it runs on its own thread
+    ahead of the writers (see `_Reservations`).
+    """
     slots = {slot.name: slot for slot in layout.slots}
     workers = workers or default_workers()
     pool: queue.Queue = queue.Queue()
@@ -104,6 +155,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     remaining: dict[str, int] = {}
     lock = threading.Lock()
     reader = _Reader(progress)
+    reserved = _Reservations(reserve, layout.size)
 
     def finish_piece(piece: _Piece) -> None:
         with lock:
@@ -139,6 +191,11 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                 continue
             segments = item.shard.segments()
             slot = slots[item.name]
+            end = slot.offset + slot.nbytes
+            if item.transform == "fp8":
+                scale_slot = slots[fp8.scale_name(item.name)]
+                end = max(end, scale_slot.offset + scale_slot.nbytes)
+            reserved.wait(end)
             if item.transform == "read" or item.shard.nbytes == 0:
                 reader.read(item, segments, 0, item.shard.nbytes, buffer[slot.offset : slot.offset + slot.nbytes])
                 progress.advance(0, tensors=1)
@@ -164,6 +221,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
         for t in threads:
             t.join()
         reader.close()
+        reserved.close()
         while not pool.empty():
             pool.get().close()
     if errors:
