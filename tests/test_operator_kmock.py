@@ -133,8 +133,9 @@ async def test_create_renders_owned_daemonset_and_rolls_up_agent_state(cluster: 
             await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
             await cluster.create(POD_RESOURCE, agent_pod("llama", "node-b", b.port))
 
-            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"].get("nodeCounts", {}).get("loading") == 1 and w,
-                                what="one node loading")
+            both = {"pending": 0, "loading": 1, "ready": 1, "failed": 0, "unknown": 0}
+            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"].get("nodeCounts") == both and w,
+                                what="one node loading, one ready")
             assert condition(wc, "Loading")["status"] == "True"
             assert condition(wc, "Ready")["status"] == "False"
             nodes = {n["node"]: n for n in wc["status"]["nodes"]}
@@ -292,12 +293,12 @@ async def test_agent_failures_become_degraded_with_the_agents_reason(cluster: Ku
                 dead_port = gone.port
             await cluster.create(POD_RESOURCE, agent_pod("llama", "node-c", dead_port))
 
-            degraded = await wait_for(lambda: (c := condition(wc_of(kmock, "llama"), "Degraded")) and c["reason"] == "AgentFailed" and c,
-                                      what="AgentFailed")
-            assert degraded["status"] == "True"
+            counts = {"pending": 0, "loading": 0, "ready": 1, "failed": 1, "unknown": 1}
+            wc = await wait_for(lambda: (w := wc_of(kmock, "llama"))["status"].get("nodeCounts") == counts and w,
+                                what="all three nodes rolled up")
+            degraded = condition(wc, "Degraded")
+            assert degraded["status"] == "True" and degraded["reason"] == "AgentFailed"
             assert "node-a: model directory /models/llama not found" in degraded["message"]
-            wc = wc_of(kmock, "llama")
-            assert wc["status"]["nodeCounts"] == {"pending": 0, "loading": 0, "ready": 1, "failed": 1, "unknown": 1}
             # Failed first, then Unknown, then the rest.
             assert [n["phase"] for n in wc["status"]["nodes"]] == ["Failed", "Unknown", "Ready"]
             assert "not reachable" in wc["status"]["nodes"][1]["message"]
