@@ -18,7 +18,8 @@ import pytest
 
 from engine_fixtures import pid_alive, processes_mentioning
 
-DEMO = [sys.executable, "-m", "weightcache_agent", "demo", "--size", "small", "--timeout", "60"]
+# cpu backend: the path CI has, and the one whose tokens the demo checks against its in-process reference
+DEMO = [sys.executable, "-m", "weightcache_agent", "demo", "--size", "small", "--backend", "cpu", "--timeout", "60"]
 
 
 @pytest.fixture(scope="module")

@@ -84,6 +84,31 @@ def load_model(spec: CacheSpec, mode: str = "off", socket: str | None = None, **
     return model, attachment
 
 
+def _prepare_device(socket: str | None) -> None:
+    """Create the CUDA context before attaching when the agent serves GPU memory.
+
+    Context creation is a per-process start-up cost (hundreds of ms), not part of getting
+    the weights; paid first, the attach time measures the weights alone. An agent that
+    does not answer is left to `attach` to report (or fall back from).
+    """
+    from .client import agent_status
+    from .errors import WeightCacheError
+
+    try:
+        status = agent_status(socket) if socket else {}
+    except WeightCacheError:
+        return
+    if status.get("backend") != "cuda" or not status.get("device"):
+        return
+    import torch
+
+    from .devices import local_ordinal
+
+    ordinal = local_ordinal(status["device"])
+    torch.cuda.set_device(ordinal)
+    torch.empty(1, device=f"cuda:{ordinal}")
+
+
 class Engine:
     def __init__(self, options: EngineOptions):
         if options.role not in ROLES:
@@ -107,6 +132,8 @@ class Engine:
         try:
             self.state = "attaching"
             opts = self.options
+            if opts.mode != "off":
+                _prepare_device(opts.socket or os.environ.get("WEIGHTCACHE_SOCKET"))
             model, self.attachment = load_model(self.spec, mode=opts.mode, socket=opts.socket, fallback=opts.fallback,
                                                 role=opts.role, group=opts.group, on_promote=self._on_promote)
             log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s)",
@@ -116,7 +143,9 @@ class Engine:
             self.state = "warming"
             t0 = time.perf_counter()
             if model.config.tp_size == 1:
-                model.generate([0], 2)  # first-call costs (allocator, kernels) are paid before traffic
+                # First-call costs (allocator, kernel selection) are paid before traffic, for both
+                # shapes a request takes: a multi-token prefill and one-token decode steps.
+                model.generate([0] * 8, 3)
             self.model = model
             self.state = "serving"
             log.info("warmed up in %.1f ms; %s", (time.perf_counter() - t0) * 1e3,
