@@ -101,13 +101,17 @@ def raw_read(files: list[str]) -> float:
     return time.perf_counter() - t0
 
 
+CHILDREN: list[subprocess.Popen] = []
+
+
 class Agent:
     def __init__(self, model: str, sock: str, *extra: str):
         self.sock = sock
         self.started = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket",
                                       sock, "--backend", "cuda", "--progress", "never", *extra],
-                                     stderr=open(sock + ".log", "w"))
+                                     stdout=subprocess.DEVNULL, stderr=open(sock + ".log", "w"))
+        CHILDREN.append(self.proc)
 
     def ready(self, timeout: float = 900) -> dict:
         deadline = time.perf_counter() + timeout
@@ -145,7 +149,7 @@ for k in range(n):
     t0 = time.perf_counter()
     att = attach(module, CacheSpec(model=model), socket=sock)
     times.append(time.perf_counter() - t0)
-    w = module.model.layers[0].mlp.down_proj.weight
+    w = dict(module.named_parameters())["model.layers.0.mlp.down_proj.weight"]
     assert w.is_cuda and not w.is_meta
     if k == n - 1:
         keep = att
@@ -210,6 +214,7 @@ def main() -> int:
     # -- ours: attach + rebind ---------------------------------------------------------------
     engine = subprocess.Popen([sys.executable, "-c", ENGINE, model, serving.sock, str(args.attaches), pkg],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    CHILDREN.append(engine)
     ours = json.loads(engine.stdout.readline())["times"]
     first, med = ours[0], statistics.median(ours[1:] or ours)
     result["attach_first_s"], result["attach_median_s"] = first, med
@@ -280,4 +285,10 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    finally:  # never leave an agent holding GPU memory or our stdout
+        for child in CHILDREN:
+            if child.poll() is None:
+                child.kill()
+                child.wait()

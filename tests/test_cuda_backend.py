@@ -73,7 +73,7 @@ ENGINE = textwrap.dedent("""
     for line in sys.stdin:
         cmd = line.strip()
         if cmd == "dump":
-            torch.save({n: t.cpu() for n, t in p.items()}, sys.argv[4]); out = {"dumped": True}
+            torch.save({n: t.cpu().clone() for n, t in p.items()}, sys.argv[4]); out = {"dumped": True}
         elif cmd == "matmul":
             out = {"sum": matmul_sum()}
         elif cmd == "write":
