@@ -242,6 +242,7 @@ def main() -> int:
     torch.cuda.synchronize()
     a = time.perf_counter() - t0
     result["A_s"] = a
+    print(f"A done: {a:.2f}s; ours median {med * 1e3:.2f} ms; readopt {result['readopt']}", file=sys.stderr)
 
     # -- B: one legacy IPC handle per tensor, rebuilt in another process ------------------------
     import pickle
@@ -250,8 +251,12 @@ def main() -> int:
 
     handles = {n: reduce_tensor(t.data) for n, t in module.state_dict().items()}
     blob = pickle.dumps(handles)
-    cons = subprocess.run([sys.executable, "-c", IPC_CONSUMER, model, pkg], input=blob, capture_output=True, check=True)
-    b = json.loads(cons.stdout)["seconds"]
+    cons = subprocess.run([sys.executable, "-c", IPC_CONSUMER, model, pkg], input=blob, capture_output=True)
+    if cons.returncode:
+        print(f"B failed: {cons.stderr.decode()[-2000:]}", file=sys.stderr)
+        b = float("nan")
+    else:
+        b = json.loads(cons.stdout)["seconds"]
     result["B_s"] = b
     del module, handles
     torch.cuda.empty_cache()
