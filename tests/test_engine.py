@@ -27,10 +27,13 @@ def cluster(module_supervisor, llama_checkpoint, qwen2_checkpoint):  # noqa: F81
     llama_agent = sup.start_agent(llama_checkpoint, "llama", backend="cpu")
     qwen_agent = sup.start_agent(qwen2_checkpoint, "qwen", backend="cpu")
     engine = sup.start_engine(llama_checkpoint, "primary", socket=llama_agent.socket, group="g")
+    # Started now so that their imports overlap with the rest; their tests come later.
+    off = sup.start_engine(llama_checkpoint, "off", mode="off")
+    orphan = sup.start_engine(llama_checkpoint, "orphan", socket=sup.run_dir + "/none.sock")
     llama_agent.wait_ready()
     qwen_agent.wait_ready()
     engine.wait_state(lambda h: h["ready"], what="readiness")
-    return SimpleNamespace(llama=llama_agent, qwen=qwen_agent, engine=engine)
+    return SimpleNamespace(llama=llama_agent, qwen=qwen_agent, engine=engine, off=off, orphan=orphan)
 
 
 def reference_tokens(model_dir: str, tokens: list[int], max_tokens: int) -> list[int]:
@@ -158,8 +161,8 @@ def test_fp8_block_logits_match_in_process_fp8(module_supervisor, llama_checkpoi
         lease.close()
 
 
-def test_off_mode_engine_serves_from_disk_and_stops_cleanly(module_supervisor, llama_checkpoint):  # noqa: F811
-    engine = module_supervisor.start_engine(llama_checkpoint, "off", mode="off")
+def test_off_mode_engine_serves_from_disk_and_stops_cleanly(cluster, llama_checkpoint):  # noqa: F811
+    engine = cluster.off
     health = engine.wait_state(lambda h: h["ready"], what="readiness")
     assert health["source"] == "disk" and health["mode"] == "off"
     status, reply = engine.generate(PROMPT, 5)
@@ -169,8 +172,8 @@ def test_off_mode_engine_serves_from_disk_and_stops_cleanly(module_supervisor, l
     assert "shutting down (served 1 requests)" in engine.log()
 
 
-def test_client_mode_without_agent_fails_with_a_clear_message(module_supervisor, llama_checkpoint):  # noqa: F811
-    engine = module_supervisor.start_engine(llama_checkpoint, "orphan", socket=module_supervisor.run_dir + "/none.sock")
+def test_client_mode_without_agent_fails_with_a_clear_message(cluster):
+    engine = cluster.orphan
     assert engine.proc.wait(60) == 1
     assert "no agent answers at" in engine.log()
 
