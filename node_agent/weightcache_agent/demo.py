@@ -185,7 +185,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     checkpoint = open_checkpoint(model_dir)
     nbytes = checkpoint.nbytes
-    config = json.load(open(os.path.join(model_dir, "config.json")))
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    prompt = [t for t in PROMPT if t < config["vocab_size"]]
     console.detail(f"{model_dir}{'' if created else '  (cached)'}")
     console.detail(f"Llama, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
                    f"{fmt_bytes(nbytes)} of bf16 in {len(checkpoint.tensors)} tensors")
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
     disk_seconds = attachment.seconds
-    reference = model.generate(PROMPT[: _prompt_len(config)], NEW_TOKENS)
+    reference = model.generate(prompt, NEW_TOKENS)
     attachment.close()
     del model, attachment
     console.detail(f"{fmt_seconds(disk_seconds)}  ({fmt_bytes(nbytes / disk_seconds)}/s"
@@ -234,7 +236,6 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         console.detail("both map the agent's memory read-only: one copy of the weights, not three")
 
         console.step(5, steps, "a request to the primary")
-        prompt = PROMPT[: _prompt_len(config)]
         t0 = time.perf_counter()
         code, reply = primary.generate(prompt, NEW_TOKENS)
         if code != 200:
@@ -269,10 +270,6 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         console.say("stopping the standby and the agent ...")
     console.say("done: no process or socket left behind.")
     return summary
-
-
-def _prompt_len(config: dict[str, Any]) -> int:
-    return sum(1 for t in PROMPT if t < config["vocab_size"])
 
 
 def _failover(primary: Any, standby: Any, prompt: list[int], timeout: float) -> float:
