@@ -204,7 +204,8 @@ def main() -> int:
         agent = Agent(model, os.path.join(tmp, f"cold-{quant}.sock"), "--quantization", quant)
         st = agent.ready()
         result[f"cold_{quant}_s"] = st["load_seconds"]
-        rows.append((f"agent cold load, {quant} (process start to ready: {st['wall_seconds']:.2f} s)",
+        split = ", ".join(f"{k} {v:.2f}" for k, v in st.get("load_breakdown", {}).items())
+        rows.append((f"agent cold load, {quant} (process start to ready: {st['wall_seconds']:.2f} s; {split} s)",
                      f"{st['load_seconds']:.2f} s = {size / st['load_seconds'] / 1e9:.2f} GB/s",
                      f"{raw / st['load_seconds']:.2f} of raw"))
         if quant == "fp8-block":

@@ -77,6 +77,7 @@ class Agent:
         self.progress = LoadProgress()
         self.cache: LoadedCache | None = None
         self._manifest = b"[]"
+        self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
         self._ready = threading.Event()
@@ -112,10 +113,13 @@ class Agent:
 
     def load(self) -> None:
         """Prepare from headers, then adopt an arena an engine hands back, or load from disk."""
-        t0 = time.monotonic()
         self.phase = "preparing"
         try:
-            self.prepared = prepare_cache(self.spec, device=self._device_mark())
+            # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
+            device_mark = self._device_mark()
+            t0 = time.monotonic()
+            self.prepared = prepare_cache(self.spec, device=device_mark)
+            self.timings["prepare"] = time.monotonic() - t0
             self._adoptable = self.adopt_wait > 0 and self._previous_state() == self._state()
             self._prepared.set()
             if self._adoptable:
@@ -132,8 +136,11 @@ class Agent:
                              self.cache.load_seconds * 1e3)
             if self.cache is None:
                 self.phase = "loading"
+                t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
+                t2 = time.monotonic()
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0)
+                self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
         except BaseException as e:
             self.phase, self.error = "failed", str(e)
             self._prepared.set()
@@ -151,6 +158,9 @@ class Agent:
             return "cpu"
         import torch
 
+        from .cuda_arena import granularity
+
+        granularity(self.device.ordinal)  # creates the device's primary context
         major, minor = torch.cuda.get_device_capability(self.device.ordinal)
         return f"sm_{major}{minor}/cuda-{torch.version.cuda}"
 
@@ -255,6 +265,7 @@ class Agent:
             "arena_bytes": cache.layout.size if cache else 0,
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
+            "load_breakdown": self.timings,
             "attaches": self.attaches,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.

@@ -47,11 +47,11 @@ class ArenaLayout:
     slots: tuple[TensorSlot, ...]
     size: int
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slots)
 
-    @property
+    @functools.cached_property  # hashes every slot: computed once per layout, not per attach
     def layout_hash(self) -> str:
         canon = [[s.name, s.offset, list(s.shape), list(s.stride), dtype_name(s.dtype), s.kind] for s in self.slots]
         return hashlib.sha256(json.dumps([self.size, canon], separators=(",", ":")).encode()).hexdigest()[:16]

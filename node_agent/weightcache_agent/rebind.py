@@ -52,14 +52,16 @@ def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -
                                 f"{tuple(view.shape)} {_dt(view.dtype)}")
                 unbound.append((source, current))
                 continue
-            new = nn.Parameter(view, requires_grad=False) if kind == "parameters" else view
+            # What nn.Parameter(view, requires_grad=False) does for a plain tensor, minus its Python frame.
+            new = torch.Tensor._make_subclass(nn.Parameter, view, False) if kind == "parameters" else view
             for table, leaf, _ in places:
                 table[leaf] = new
             counts[kind] += 1
 
     # Cache tensors the module does not declare (e.g. FP8 scales) become buffers of their owner.
-    declared = {name for groups in (params, buffers) for _, places in groups for _, _, name in places}
-    for name, view in tensors.items():
+    all_bound = counts["parameters"] + counts["buffers"] == len(tensors)  # the usual case: skip the search
+    declared = set() if all_bound else {n for g in (params, buffers) for _, places in g for _, _, n in places}
+    for name, view in () if all_bound else tensors.items():
         if name in declared:
             continue
         prefix, _, leaf = name.rpartition(".")
