@@ -28,7 +28,7 @@ import time
 import torch
 
 from weightcache_agent.demo import Console, default_cache_dir, ensure_checkpoint
-from weightcache_agent.supervise import EngineChild, Supervisor
+from weightcache_agent.process_group import EngineChild, ProcessGroup
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
 GROUP = "bench"
@@ -54,7 +54,7 @@ def first_success(engine: EngineChild, start: float, max_tokens: int, timeout: f
         time.sleep(0.0005)
 
 
-def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, timeout: float,
+def bench_failover(sup: ProcessGroup, model: str, trials: int, max_tokens: int, timeout: float,
                    backend: str) -> tuple[list[float], list[int], list[float]]:
     agent = sup.start_agent(model, backend=backend)
     agent.wait_ready(timeout)
@@ -85,7 +85,7 @@ def bench_failover(sup: Supervisor, model: str, trials: int, max_tokens: int, ti
     return times, expected["tokens"], compute
 
 
-def bench_cold(sup: Supervisor, model: str, trials: int, max_tokens: int, timeout: float, expected: list[int]) -> list[float]:
+def bench_cold(sup: ProcessGroup, model: str, trials: int, max_tokens: int, timeout: float, expected: list[int]) -> list[float]:
     times = []
     for n in range(1, trials + 1):
         started = time.perf_counter()
@@ -125,7 +125,7 @@ def main() -> int:
 
     model = args.model or ensure_checkpoint(default_cache_dir(), args.size, Console(quiet=False))[0]
     size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
-    with Supervisor(tempfile.mkdtemp(prefix="wc-bench-")) as sup:
+    with ProcessGroup(tempfile.mkdtemp(prefix="wc-bench-")) as sup:
         print(f"failover: {args.trials} trials", file=sys.stderr)
         failover, expected, compute = bench_failover(sup, model, args.trials, args.max_tokens, args.timeout, args.backend)
         print(f"cold restart: {args.cold_trials} trials", file=sys.stderr)

@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import pytest
 
-from weightcache_agent.supervise import EngineChild, Supervisor
+from weightcache_agent.process_group import EngineChild, ProcessGroup
 from weightcache_agent.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint
 
 # Small enough that a process attaches and warms up in well under a second on 2 cores.
@@ -40,8 +40,8 @@ def short_run_dir() -> str:
 
 
 @pytest.fixture(scope="module")
-def module_supervisor() -> Iterator[Supervisor]:
-    sup = Supervisor(short_run_dir())
+def module_supervisor() -> Iterator[ProcessGroup]:
+    sup = ProcessGroup(short_run_dir())
     try:
         yield sup
     finally:
@@ -49,8 +49,8 @@ def module_supervisor() -> Iterator[Supervisor]:
 
 
 @pytest.fixture
-def supervisor() -> Iterator[Supervisor]:
-    sup = Supervisor(short_run_dir())
+def supervisor() -> Iterator[ProcessGroup]:
+    sup = ProcessGroup(short_run_dir())
     try:
         yield sup
     finally:

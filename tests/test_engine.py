@@ -18,7 +18,7 @@ from weightcache_agent.engine import load_model
 from weightcache_agent.errors import CheckpointError
 from weightcache_agent.loader import load_cache
 from weightcache_agent.model import Fp8BlockLinear
-from weightcache_agent.supervise import http_json
+from weightcache_agent.process_group import http_json
 
 
 @pytest.fixture(scope="module")

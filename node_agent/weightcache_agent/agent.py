@@ -92,7 +92,7 @@ class Agent:
 
     def bind(self) -> None:
         os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
-        lock_path = os.path.join(os.path.dirname(self.socket_path), "." + os.path.basename(self.socket_path) + ".lock")
+        lock_path = sidecar_path(self.socket_path, "lock")
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -179,7 +179,7 @@ class Agent:
 
     @property
     def _state_path(self) -> str:
-        return os.path.join(os.path.dirname(self.socket_path), "." + os.path.basename(self.socket_path) + ".state")
+        return sidecar_path(self.socket_path, "state")
 
     def _state(self) -> dict[str, Any] | None:
         if self.prepared is None:
@@ -463,6 +463,21 @@ class Agent:
             except OSError as e:
                 log.warning("promotion of pid=%s failed (%s); trying the next standby", successor.pid, e)
                 _shutdown(successor.conn)
+
+
+def sidecar_path(socket_path: str, kind: str) -> str:
+    """The hidden file beside a socket: `.NAME.lock` (one agent per socket), `.NAME.state` (for re-adoption)."""
+    return os.path.join(os.path.dirname(socket_path), f".{os.path.basename(socket_path)}.{kind}")
+
+
+def remove_socket_files(socket_path: str) -> None:
+    """What a killed agent leaves behind: its socket and lock file. The state file stays on purpose:
+    it tells the next agent that engines may still hold the arena."""
+    for path in (socket_path, sidecar_path(socket_path, "lock")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _try_send(conn: socket.socket, message: dict[str, Any]) -> None:

@@ -4,7 +4,7 @@ Flow: make (once, cached) a deterministic Llama-shaped checkpoint; time a plain 
 in this process (what every engine restart pays today); start an agent (its cold load,
 with a progress bar fed by its status), then a primary and a standby engine that attach
 to it (milliseconds); send a request; SIGKILL the primary and time until the standby
-answers; print a summary. Every child runs under a `Supervisor`, so whatever happens --
+answers; print a summary. Every child runs under a `ProcessGroup`, so whatever happens --
 success, an error, Ctrl-C, SIGTERM -- the children are stopped and the sockets removed
 before the demo exits.
 """
@@ -173,7 +173,7 @@ def _progress_bar(console: Console, total: int) -> Any:
 
 
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from .supervise import Supervisor
+    from .process_group import ProcessGroup
 
     steps = 6
     console.say(console.style("weightcache demo", "1") + " - weights loaded once, attached in milliseconds, "
@@ -207,7 +207,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     summary: dict[str, Any] = {"model": model_dir, "bytes": nbytes, "disk_load_seconds": disk_seconds,
                                "run_dir": args.run_dir, "pids": {}}
-    with Supervisor(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
+    with ProcessGroup(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
         console.step(3, steps, "agent: cold load into shared memory (once per node)")
         drop_page_cache(model_dir)
         agent = sup.start_agent(model_dir, backend=args.backend)
@@ -344,7 +344,7 @@ def main(argv: list[str]) -> int:
     args.run_dir = args.run_dir or tempfile.mkdtemp(prefix="weightcache-demo-")
 
     def interrupt(signum: int, _frame: Any) -> None:
-        # Ignore further signals while the Supervisor's cleanup runs, then unwind through it.
+        # Ignore further signals while the ProcessGroup's cleanup runs, then unwind through it.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise Interrupted(signum)
@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
         print(f"weightcache demo: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        from .supervise import ChildFailed
+        from .process_group import ChildFailed
 
         if isinstance(e, ChildFailed):
             print(f"weightcache demo: {e}", file=sys.stderr)

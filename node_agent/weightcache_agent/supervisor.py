@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import hashlib
 import json
 import logging
@@ -40,9 +39,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
+from .agent import remove_socket_files
 from .client import agent_status
 from .devices import Device, resolve_backend, select_devices
 from .errors import WeightCacheError
+from .process_group import die_with_parent
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -69,15 +70,6 @@ _WORKER_PHASES = {
     "ready": "Ready",
     "failed": "Failed",
 }
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)  # resolved now: the forked child only calls it
-
-
-def _die_with_parent() -> None:
-    # A supervisor killed outright must not leave workers holding GPU memory.
-    _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -192,7 +184,7 @@ class Worker:
         argv = self.config.worker_argv(self.rank, self.device, self.socket)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         assert self.proc.stdout is not None
         self.forwarder = _LogForwarder(self.proc.stdout, self.rank, self.device.uuid, self.config.log_format, self.out)
         if self.spawned:
@@ -303,13 +295,7 @@ class Worker:
 
     def remove_socket(self) -> None:
         # A clean worker removes its own socket; a killed one leaves it and its lock file.
-        # The `.state` file stays: it lets the next agent re-adopt arenas engines still map.
-        lock = os.path.join(os.path.dirname(self.socket), "." + os.path.basename(self.socket) + ".lock")
-        for path in (self.socket, lock):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        remove_socket_files(self.socket)
 
     # -- reporting ---------------------------------------------------------------------------
 

@@ -52,7 +52,7 @@ from .manifests import (
     socket_dir,
 )
 from .rollup import agent_conditions, daemonset_rollout, spec_conditions, summarize
-from .spec import SpecError, parse_spec
+from .spec import SpecError, parse_spec, plain
 
 # Status keys this operator owns (anything else in .status is left alone).
 STATUS_KEYS = (
@@ -63,14 +63,6 @@ STATUS_KEYS = (
 
 class OwnershipConflict(Exception):
     """A child object with our name exists but is not controlled by this WeightCache."""
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def _controlled_by(obj: Mapping[str, Any], owner_uid: str | None) -> bool:
@@ -165,14 +157,14 @@ class Reconciler:
         namespace, name = meta["namespace"], meta["name"]
         uid, generation = meta.get("uid"), meta.get("generation")
         # Our last successful status write wins over a watch event that has not caught up.
-        old_status = {**_plain(body.get("status") or {}), **memo.get("written", {})}
+        old_status = {**plain(body.get("status") or {}), **memo.get("written", {})}
         new_status: dict[str, Any] = {k: old_status[k] for k in STATUS_KEYS if k in old_status}
         if generation is not None:
             new_status["observedGeneration"] = generation
         new_status["socketDir"] = socket_dir(namespace, name)
 
         try:
-            cs = parse_spec(_plain(body.get("spec") or {}))
+            cs = parse_spec(plain(body.get("spec") or {}))
         except SpecError as e:
             logger.warning(f"invalid spec, agents left unchanged: {e.message}")
             desired = spec_conditions(e.reason, e.message)

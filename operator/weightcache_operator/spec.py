@@ -235,14 +235,14 @@ def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
         tolerations=tuple(dict(t) for t in tolerations),
         gpus_per_node=gpus,
         agent_image=image,
-        agent_resources=_plain(resources) if resources else None,
+        agent_resources=plain(resources) if resources else None,
     )
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     """Deep-copy kopf's mapping views into plain dicts/lists (for rendering and hashing)."""
     if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
+        return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return value

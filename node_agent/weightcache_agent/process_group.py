@@ -3,7 +3,7 @@
 Each child runs `python -m weightcache_agent agent|engine ...` in its own session (so a
 Ctrl-C reaches only the supervising process, which then stops the children in order)
 with a parent-death signal (so a supervisor killed outright does not leave orphans),
-and logs to a file (never a pipe that nobody drains). `Supervisor.close()` stops every
+and logs to a file (never a pipe that nobody drains). `ProcessGroup.close()` stops every
 child (engines first, then agents) and removes the sockets and files it created.
 `http_json` is the small HTTP client everything here uses to talk to engines: plain
 `http.client`, so proxy settings in the environment never reroute localhost traffic.
@@ -21,6 +21,7 @@ import sys
 import time
 from typing import Any, Callable
 
+from .agent import remove_socket_files
 from .client import agent_status
 from .errors import AgentUnavailable
 
@@ -28,7 +29,8 @@ PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)  # looked up here: the child after fork only calls it
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """In a forked child: receive SIGTERM when the parent dies, so no child outlives its supervisor."""
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -64,7 +66,7 @@ class Child:
         self.name, self.argv, self.log_path = name, argv, log_path
         with open(log_path, "ab") as log_file:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                                         start_new_session=True, preexec_fn=_die_with_parent, env=env)
+                                         start_new_session=True, preexec_fn=die_with_parent, env=env)
         self.started = time.monotonic()
 
     @property
@@ -199,7 +201,7 @@ class EngineChild(Child):
         return self.wait_state(lambda h: h.get("state") == "serving", timeout, "warm attachment")
 
 
-class Supervisor:
+class ProcessGroup:
     """Owns every child it starts; `close()` (or leaving the `with`) stops them all and cleans up."""
 
     def __init__(self, run_dir: str, remove_run_dir: bool = True):
@@ -232,17 +234,12 @@ class Supervisor:
             for child in tier:
                 child.stop()
         for child in self.children:
-            if isinstance(child, AgentChild):  # a SIGKILLed agent leaves its socket and lock file
-                lock = os.path.join(os.path.dirname(child.socket), "." + os.path.basename(child.socket) + ".lock")
-                for path in (child.socket, lock):
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+            if isinstance(child, AgentChild):
+                remove_socket_files(child.socket)
         if self.remove_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
-    def __enter__(self) -> "Supervisor":
+    def __enter__(self) -> "ProcessGroup":
         return self
 
     def __exit__(self, *exc: object) -> None:
