@@ -1,23 +1,36 @@
 """weightcache: LLM weights kept resident by a node agent, attached zero-copy by engines.
 
-The engine-facing API is `CacheSpec` + `attach`; everything here imports torch but
-never kopf or kubernetes.
+The engine-facing API is `CacheSpec` + `attach`. Names are resolved lazily (PEP 562):
+importing the package costs nothing, so `weightcache operator` and `weightcache status`
+never import torch, and nothing here ever imports kopf or kubernetes.
 """
-from .client import Attachment, agent_status, attach
-from .errors import (
-    AgentUnavailable,
-    AttachError,
-    CheckpointError,
-    FingerprintMismatch,
-    OutOfMemory,
-    ProtocolError,
-    UnsupportedQuantization,
-    WeightCacheError,
-)
-from .spec import CacheSpec
+from __future__ import annotations
 
-__all__ = [
-    "AgentUnavailable", "AttachError", "Attachment", "CacheSpec", "CheckpointError", "FingerprintMismatch",
-    "OutOfMemory", "ProtocolError", "UnsupportedQuantization", "WeightCacheError", "agent_status", "attach",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Attachment": "client",
+    "agent_status": "client",
+    "attach": "client",
+    "CacheSpec": "spec",
+    "AgentUnavailable": "errors",
+    "AttachError": "errors",
+    "CheckpointError": "errors",
+    "FingerprintMismatch": "errors",
+    "OutOfMemory": "errors",
+    "ProtocolError": "errors",
+    "UnsupportedQuantization": "errors",
+    "WeightCacheError": "errors",
+}
+__all__ = sorted(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightcache_agent' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

@@ -1,0 +1,43 @@
+"""Import boundaries: engines never pull in kopf/kubernetes; the operator never pulls in torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+BLOCK = textwrap.dedent("""
+    import sys
+    class Block:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in {blocked!r}:
+                raise ImportError(f"{{name}} must not be imported here")
+    sys.meta_path.insert(0, Block())
+""")
+
+
+def run(blocked: set[str], code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", BLOCK.format(blocked=blocked) + textwrap.dedent(code)],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_engine_client_imports_without_kopf_or_kubernetes():
+    proc = run({"kopf", "kubernetes"}, """
+        from weightcache_agent import CacheSpec, attach
+        import weightcache_agent.agent, weightcache_agent.loader, weightcache_agent.engine
+        print("ok", CacheSpec(model="/m").tp_size)
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok 1"
+
+
+def test_operator_command_runs_without_torch():
+    proc = run({"torch", "safetensors"}, """
+        from weightcache_agent.cli import main
+        try:
+            main(["operator", "--help"])
+        except SystemExit as e:
+            assert e.code == 0
+        import weightcache_operator.handlers, weightcache_operator.manifests
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "--all-namespaces" in proc.stdout
