@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 from weightcache_agent import agent_status  # noqa: E402
 from weightcache_agent.checkpoint import open_checkpoint  # noqa: E402
 from weightcache_agent.errors import AgentUnavailable  # noqa: E402
-from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_checkpoint  # noqa: E402
+from weightcache_agent.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
 
 def make_checkpoint(directory: str, gib: float, min_tensors: int) -> str:

@@ -1,10 +1,8 @@
 """Bad clients on the agent's socket get a clear error and are dropped; everyone else is served."""
 from __future__ import annotations
 
-import json
 import os
 import socket
-import struct
 import subprocess
 import sys
 import textwrap

@@ -71,7 +71,6 @@ def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["Planned
         for item in plan:
             if item.source is None:  # scales: written by the quantization of their weight
                 continue
-            slot = slots[item.name]
             segments = item.shard.segments()
             row_bytes, rows = _rows(item)
             block = fp8.BLOCK if item.transform == "fp8" else 1

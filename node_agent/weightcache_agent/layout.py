@@ -12,9 +12,9 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
-from .checkpoint import dtype_from_name, dtype_name
+from .checkpoint import dtype_name
 import torch
 
 # 256 bytes: the widest alignment a CUDA kernel or a vector load asks of a tensor start.

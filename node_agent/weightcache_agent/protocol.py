@@ -8,11 +8,12 @@ carry a large manifest. Anything else raises `ProtocolError` naming what was wro
 
 Messages (client -> agent):
   {"type": "status"}                                   -> {"type": "status", ...}
-  {"type": "attach", "pid", "role", "group", "fields"} -> {"type": "manifest", ...} + fds, then the
+  {"type": "attach", "pid", "role", "group", "request"} -> {"type": "manifest", ...} + fds, then the
       connection is the lease; the agent may later send {"type": "promote"}.
   {"type": "detach"}                                   -> the lease ends cleanly
-  {"type": "handback", "fingerprint", "layout_hash"}   -> reply + fds: an engine returning an arena to
-      a restarted agent (the agent asks with {"type": "request_handback"}).
+  {"type": "rejoin", "pid", "role", "group", "fields", "fingerprint", "layout_hash", "arenas"} + fds
+      -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
+      offers the arena it still maps; a restarted agent adopts it instead of reading the disk.
 Errors: {"type": "error", "code": str, "message": str, ...}.
 """
 from __future__ import annotations
