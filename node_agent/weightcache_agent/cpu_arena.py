@@ -50,8 +50,11 @@ class CpuArena:
     backend = "cpu"
 
     def __init__(self, size: int, name: str = "weightcache", fd: int | None = None, reserve: bool = True):
-        """`reserve=False`: the caller reserves ranges itself with `reserve()` before writing them
-        (the loader does it on a thread, ahead of the reader, so allocation overlaps the disk)."""
+        """`reserve=False`: pages are allocated as they are written. The loader writes with
+        sendfile / pwrite into the memfd, which allocate a page and fill it in one step;
+        reserving first would allocate the same pages on another thread and, once they are
+        faulted in through the mapping, zero each one before the copy overwrites it. A
+        writer that stores through `writable()` instead calls `reserve()` on a range first."""
         self.size = size
         self.reserved_upfront = reserve or fd is not None
         self._mapping: mmap.mmap | None = None
@@ -85,7 +88,10 @@ class CpuArena:
 
     def reserve(self, offset: int, length: int) -> None:
         """Allocate the pages of [offset, offset+length) now (an error here, not a SIGBUS later) and,
-        when mapped, fault them in writable so the writer does not take one fault per page."""
+        when mapped, fault them in writable so the writer does not take one fault per page.
+
+        For writers through the mapping only: faulting in zeroes every page, which a write into
+        the fd (sendfile, pwrite) does not need (see pipeline.py)."""
         try:
             os.posix_fallocate(self.fd, offset, length)
         except OSError as e:

@@ -253,12 +253,14 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             finally:
                 progress.finish()
         else:
-            # an arena made with reserve=False gets its pages reserved on a thread ahead of the
-            # reader: allocating and faulting in a large arena takes about as long as reading it
+            # with the memfd, fill_arena writes into it (sendfile / pwrite: no page faults, no
+            # zeroing) and the writes allocate an arena made with reserve=False; without, it
+            # writes through the mapping, reserving pages on a thread ahead of the readers
             upfront = getattr(arena, "reserved_upfront", True)
             buffer = arena.writable(populate=upfront)
             try:
-                fill_arena(buffer, layout, plan, progress, reserve=None if upfront else arena.reserve)
+                fill_arena(buffer, layout, plan, progress, reserve=None if upfront else arena.reserve,
+                           fd=getattr(arena, "fd", None))
             finally:
                 buffer.release()
                 progress.finish()
@@ -286,7 +288,7 @@ def new_cpu_arena(prepared: PreparedCache, name: str = "weightcache") -> CpuAren
             f"{prepared.checkpoint.directory}: the arena for tp_rank {spec.tp_rank}/{spec.tp_size} needs {size} bytes "
             f"({size / 2**30:.2f} GiB) but {source} allows {budget} bytes ({budget / 2**30:.2f} GiB)"
         )
-    return CpuArena(size, name=name, reserve=False)  # fill_cache reserves it, overlapped with reading
+    return CpuArena(size, name=name, reserve=False)  # pages allocated by fill_cache's writes, as it reads
 
 
 def load_cache(spec: CacheSpec, progress: LoadProgress | None = None, show_bar: bool = False, name: str = "weightcache") -> LoadedCache:
