@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from agent_fixtures import AgentProcess, Probe, fd_count, map_count
-from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, attach
+from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, agent_status, attach
 from weightcache_agent.checkpoint import open_checkpoint
 from weightcache_agent.errors import AgentUnavailable, WeightCacheError
 from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
@@ -151,21 +151,18 @@ def test_off_mode_matches_disk_bit_for_bit(model):
 
 def test_daemon_mode_starts_one_agent_and_reuses_it(model, tmp_path):
     sock = str(tmp_path / "d" / "agent.sock")
-    first = attach(meta_module(model), CacheSpec(model=model), socket=sock, mode="daemon", timeout=60)
-    pid = None
     try:
+        first = attach(meta_module(model), CacheSpec(model=model), socket=sock, mode="daemon", timeout=60)
         assert first.source == "agent"
         second = attach(meta_module(model), CacheSpec(model=model), socket=sock, mode="daemon", timeout=60)
-        status = AgentProcess.__new__(AgentProcess)
-        status.socket = sock
-        info = status.status()
-        pid = info["pid"]
-        assert len(info["clients"]) == 2
+        assert len(agent_status(sock)["clients"]) == 2
         second.close()
-    finally:
         first.close()
-        if pid:
-            os.kill(pid, signal.SIGTERM)
+    finally:  # the daemon agent runs in its own session: stop it whatever happened above
+        try:
+            os.kill(agent_status(sock)["pid"], signal.SIGTERM)
+        except (WeightCacheError, ProcessLookupError):
+            pass
 
 
 def test_status_cli_json_and_text(model, agent):
