@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from weightcache_agent import agent_status
 from weightcache_agent.errors import AgentUnavailable
@@ -81,6 +81,14 @@ class Probe:
         self.proc.wait()
         for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             stream.close()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll until `predicate()` holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout:.0f}s"
+        time.sleep(0.02)
 
 
 def fd_count(pid: int) -> int:

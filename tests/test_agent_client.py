@@ -8,13 +8,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_fixtures import AgentProcess, Probe, fd_count, map_count
+from agent_fixtures import AgentProcess, Probe, fd_count, map_count, wait_for
 from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, agent_status, attach
 from weightcache_agent.checkpoint import open_checkpoint
 from weightcache_agent.errors import AgentUnavailable, WeightCacheError
@@ -207,10 +206,7 @@ def test_attach_detach_cycles_leak_nothing(model, agent):
     gc.collect()
     assert agent.status()["clients"] == []
     # The agent closes a connection on its own thread after the client hangs up: let it settle.
-    deadline = time.monotonic() + 5
-    while fd_count(pid) != fds and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert fd_count(pid) == fds
+    wait_for(lambda: fd_count(pid) == fds, 5, f"the agent back at {fds} fds (now {fd_count(pid)})")
     assert map_count(pid) <= maps + 4  # thread stacks may be cached by glibc, never one mapping per attach
     assert fd_count(os.getpid()) <= own_fds
 

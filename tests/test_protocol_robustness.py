@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from agent_fixtures import AgentProcess, Probe
+from agent_fixtures import AgentProcess, Probe, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.checkpoint import open_checkpoint
 from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
@@ -68,9 +68,8 @@ def still_serving(model: str, agent: AgentProcess, bystander: Probe) -> None:
     assert bystander.ask("verify") == {"identical": True}
     module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
     attach(module, CacheSpec(model=model), socket=agent.socket).close()
-    deadline = time.monotonic() + 5  # the agent ends a lease on its own thread after the hang-up
-    while len(agent.status()["clients"]) > 1 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    # the agent ends a lease on its own thread after the hang-up
+    wait_for(lambda: len(agent.status()["clients"]) <= 1, 5, "the test's own lease ending")
     status = agent.status()
     assert status["phase"] == "ready"
     assert [c["pid"] for c in status["clients"]] == [bystander.hello["pid"]]

@@ -5,20 +5,13 @@ import time
 
 import pytest
 
-from agent_fixtures import AgentProcess, Probe
+from agent_fixtures import AgentProcess, Probe, wait_for
 from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
     return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=2))
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_restarted_agent_adopts_the_arena_without_reading_disk(model, tmp_path):

@@ -339,10 +339,9 @@ class Agent:
     def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None) -> Lease | None:
         started = time.perf_counter()
         role, group, request = message.get("role", "primary"), message.get("group"), message.get("request")
-        if (role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(request, dict)
-                or not isinstance(request.get("spec"), dict)):
-            raise ProtocolError(f"attach needs role in {ROLES}, group a string or null, request an object with a "
-                                f"spec; got role={role!r} group={group!r} request={type(request).__name__}")
+        _check_lease_terms("attach", role, group)
+        if not isinstance(request, dict) or not isinstance(request.get("spec"), dict):
+            raise ProtocolError(f"attach needs request, an object with a spec; got {type(request).__name__}")
         self._ready.wait()
         if self.cache is None:
             protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
@@ -407,8 +406,9 @@ class Agent:
         """An engine that outlived its agent reconnects, offering the arena it still maps."""
         try:
             role, group, fields = message.get("role"), message.get("group"), message.get("fields")
-            if role not in ROLES or not (group is None or isinstance(group, str)) or not isinstance(fields, dict):
-                raise ProtocolError("rejoin needs role, group and fields like attach")
+            _check_lease_terms("rejoin", role, group)
+            if not isinstance(fields, dict):
+                raise ProtocolError(f"rejoin needs fields, an object; got {type(fields).__name__}")
             self._prepared.wait()
             prepared = self.prepared
             if prepared is None:
@@ -463,6 +463,11 @@ class Agent:
             except OSError as e:
                 log.warning("promotion of pid=%s failed (%s); trying the next standby", successor.pid, e)
                 _shutdown(successor.conn)
+
+
+def _check_lease_terms(kind: str, role: Any, group: Any) -> None:
+    if role not in ROLES or not (group is None or isinstance(group, str)):
+        raise ProtocolError(f"{kind} needs role in {ROLES} and group a string or null; got role={role!r} group={group!r}")
 
 
 def sidecar_path(socket_path: str, kind: str) -> str:
