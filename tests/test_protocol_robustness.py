@@ -163,3 +163,29 @@ def test_a_status_connection_may_ask_repeatedly(agent):
         message, _ = protocol.recv_message(s, protocol.MAX_REPLY_BYTES)
         assert message["type"] == "status" and message["phase"] == "ready"
     s.close()
+
+
+def test_files_the_agent_read_are_vouched_for_by_signature_a_copy_must_send_its_revision(model, agent, tmp_path):
+    import shutil
+
+    from weightcache_agent.fingerprint import engine_request
+
+    def ask(request: dict) -> dict:
+        s = raw(agent)
+        protocol.send_message(s, {"type": "attach", "role": "primary", "group": None, "request": request})
+        reply, fds = protocol.recv_message(s, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        for fd in fds:
+            os.close(fd)
+        s.close()
+        return reply
+
+    assert "revision" not in engine_request(CacheSpec(model=model))
+    assert ask(engine_request(CacheSpec(model=model)))["type"] == "manifest"
+    copy = str(shutil.copytree(model, tmp_path / os.path.basename(model)))  # same bytes, other inodes
+    refused = ask(engine_request(CacheSpec(model=copy)))
+    assert (refused["type"], refused["code"]) == ("error", "revision_required"), refused
+    assert ask(engine_request(CacheSpec(model=copy), with_revision=True))["type"] == "manifest"
+    with open(os.path.join(copy, "config.json"), "a") as f:
+        f.write(" ")  # an edit: signature and content identity both change
+    changed = ask(engine_request(CacheSpec(model=copy), with_revision=True))
+    assert changed["code"] == "fingerprint_mismatch" and changed["engine_fields"]["revision"] != changed["fields"]["revision"]

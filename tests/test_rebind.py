@@ -73,3 +73,45 @@ def test_cache_tensor_without_a_home_is_refused_unless_not_strict():
     with pytest.raises(AttachError, match="no submodule 'decoder'"):
         rebind(meta_tied(), c)
     assert rebind(meta_tied(), c, strict=False)["parameters"] == 3
+
+
+class Loaded(nn.Parameter):
+    """A parameter subclass like the ones engines use to carry a loader callback."""
+
+
+def test_parameters_keep_identity_class_and_attributes():
+    m, c = meta_tied(), cache()
+    expected = c["norm.weight"].clone()
+    m.norm.weight = Loaded(m.norm.weight)  # a subclass on meta, with an attribute an engine hung on it
+    m.norm.weight.weight_loader = "mine"
+    before = {n: p for n, p in m.named_parameters()}
+    rebind(m, c)
+    after = dict(m.named_parameters())
+    assert all(after[n] is before[n] for n in before)
+    assert type(m.norm.weight) is Loaded and m.norm.weight.weight_loader == "mine"
+    assert c["norm.weight"] is m.norm.weight and torch.equal(m.norm.weight, expected)
+
+
+def test_a_refused_attach_swaps_nothing():
+    m, c = meta_tied(), cache()
+    c["norm.bias"] = torch.zeros(5)
+    kept = dict(c)
+    with pytest.raises(AttachError, match="norm.bias"):
+        rebind(m, c)
+    assert all(p.is_meta for p in m.parameters()) and all(b.is_meta for b in m.buffers())
+    assert all(c[n] is kept[n] and not c[n].is_meta for n in c)
+
+
+def test_linear_without_bias_and_a_tie_named_once_take_the_search_path():
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    m[1].weight = m[0].weight
+    w = torch.randn(4, 4)
+    expected = w.clone()
+    assert rebind(m, {"0.weight": w})["parameters"] == 1
+    assert m[1].weight is m[0].weight and torch.equal(m[1].weight, expected)
+    assert w.is_meta  # consumed: its storage now backs the module's own parameter
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+    with pytest.raises(AttachError, match=r"1\.weight: still on the meta device"):
+        rebind(m, {"0.weight": torch.randn(4, 4)})

@@ -25,7 +25,7 @@ from typing import Any
 
 from . import protocol
 from .errors import ProtocolError, WeightCacheError
-from .fingerprint import differences, fields_for_request
+from .fingerprint import RevisionRequired, differences, fields_for_request
 from .cpu_arena import CpuArena
 from .devices import Device
 from .loader import LoadedCache, LoadProgress, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
@@ -348,6 +348,11 @@ class Agent:
             return None
         try:
             fields = fields_for_request(request, self.cache.checkpoint)
+        except RevisionRequired:
+            protocol.send_message(conn, protocol.error_message(
+                "revision_required", "the engine's checkpoint files differ from the ones loaded (name, size, mtime "
+                                     "or inode): send their content identity"))
+            return None
         except (KeyError, TypeError, ValueError, WeightCacheError) as e:
             protocol.send_message(conn, protocol.error_message("bad_request", f"cannot evaluate the engine's spec: {e}"))
             return None
@@ -370,6 +375,7 @@ class Agent:
             "fingerprint": cache.fingerprint,
             "fields": cache.fields,
             "layout_hash": cache.layout.layout_hash,
+            "bytes": cache.layout.nbytes,
             "arenas": [{"index": 0, "size": cache.arena.size, "backend": cache.arena.backend, "device": self.device.uuid}],
         }
         try:

@@ -81,6 +81,7 @@ class Checkpoint:
     tensors: dict[str, TensorRecord]
     config: dict[str, Any] | None
     revision: str  # content identity of the headers and config.json (`content_identity`)
+    signature: str = ""  # `file_signature` taken before the headers were read
     metadata: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
@@ -212,9 +213,29 @@ def content_identity(directory: str) -> str:
     return _identity(directory, headers)
 
 
+def file_signature(directory: str) -> str:
+    """Hash of (name, size, mtime, inode) of the directory's safetensors and JSON files.
+
+    One stat per file, no read: what an engine sends so that an agent that loaded these very
+    files can vouch for their content identity. Bind mounts keep size, mtime and inode, so a
+    pod sees the signature the agent saw; a copy or an edit changes it, and then the content
+    identity decides (`content_identity`).
+    """
+    try:
+        entries = sorted((e.name, e.stat()) for e in os.scandir(directory)
+                         if e.name.endswith((".safetensors", ".json")))
+    except OSError as e:
+        raise CheckpointError(f"{directory}: cannot list: {e.strerror}") from None
+    digest = hashlib.sha256()
+    for name, st in entries:
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 def open_checkpoint(directory: str) -> Checkpoint:
     """Index a checkpoint directory (single file or sharded with an index) from its headers."""
     directory = os.path.abspath(directory)
+    signature = file_signature(directory)  # before reading: a file changed meanwhile then mismatches
     files, expected = _shard_files(directory)
     index_path = os.path.join(directory, INDEX_FILE)
     headers: list[tuple[str, int, bytes]] = []
@@ -242,6 +263,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
         tensors=tensors,
         config=_read_config(directory),
         revision=_identity(directory, headers),
+        signature=signature,
         metadata=metadata,
     )
 

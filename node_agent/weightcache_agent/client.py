@@ -29,7 +29,7 @@ from .errors import AgentUnavailable, AttachError, FingerprintMismatch, Protocol
 from .fingerprint import differences, engine_request
 from .layout import ArenaLayout
 from .loader import load_cache
-from .rebind import rebind
+from .rebind import gc_paused, rebind
 from .spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -237,13 +237,23 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
                                      "request": engine_request(spec)})
         reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        if reply.get("type") == "error" and reply.get("code") == "revision_required":
+            # Our files are not the very ones the agent read (a copy, another mount): compare content.
+            path = conn.getpeername()
+            conn.close()
+            conn = _connect(path)
+            conn.settimeout(timeout)
+            protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
+                                         "request": engine_request(spec, with_revision=True)})
+            reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         _raise_on_error(reply, conn.getpeername())
         if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
             raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
-        tensors = _views(reply, fds)
-        rebind(module, tensors, strict=strict)
+        with gc_paused():
+            tensors = _views(reply, fds)
+            rebind(module, tensors, strict=strict)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -251,7 +261,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             os.close(fd)
         raise
     return Attachment(source="agent", fingerprint=reply["fingerprint"], fields=reply["fields"],
-                      nbytes=sum(t.nbytes for t in tensors.values()), tensors=tensors,
+                      nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote)
 
@@ -267,35 +277,34 @@ def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
         base = map_readonly_cuda(fds[0], arena["size"], arena["device"])
     else:
         raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
-    typed: dict[str, torch.Tensor] = {}
-    views = {}
-    # One pass over the manifest columns: this loop is most of an attach. as_strided itself
-    # refuses a view that reaches past the arena's storage.
     try:
-        columns = manifest["tensors"]
-        for name, dtype_key, shape, stride, offset in zip(columns["name"], columns["dtype"], columns["shape"],
-                                                          columns["stride"], columns["offset"], strict=True):
-            whole = typed.get(dtype_key)
-            if whole is None:
-                whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
-            itemsize = whole.element_size()
-            if offset % itemsize:
-                raise ValueError(f"tensor {name!r} at offset {offset} is not aligned to its {dtype_key} elements")
-            views[name] = whole.as_strided(shape, stride, offset // itemsize)
-    except (KeyError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
+        return _views_over(base, manifest["tensors"])
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
-    return views
 
 
 def views_of(base: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
     """One strided view per slot of `layout` over the uint8 arena `base`."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
-    views = {}
-    for slot in layout.slots:
-        whole = typed.get(slot.dtype)
+    return _views_over(base, layout.to_manifest())
+
+
+def _views_over(base: torch.Tensor, columns: dict[str, list]) -> dict[str, torch.Tensor]:
+    # One pass over the manifest columns: this loop is most of an attach. as_strided itself
+    # refuses a view that reaches past the arena's storage.
+    typed: dict[str, torch.Tensor] = {}
+    forms = []  # (bound as_strided of the arena as that dtype, shape, stride, itemsize)
+    for dtype_key, shape, stride in columns["forms"]:
+        whole = typed.get(dtype_key)
         if whole is None:
-            whole = typed[slot.dtype] = base.view(slot.dtype)
-        views[slot.name] = whole.as_strided(slot.shape, slot.stride, slot.offset // slot.dtype.itemsize)
+            whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
+        forms.append((whole.as_strided, tuple(shape), tuple(stride), whole.element_size()))
+    views = {}
+    for name, form, offset in zip(columns["name"], columns["form"], columns["offset"], strict=True):
+        as_strided, shape, stride, itemsize = forms[form]
+        start, misaligned = divmod(offset, itemsize)
+        if misaligned:
+            raise ValueError(f"tensor {name!r} at offset {offset} is not aligned to its elements")
+        views[name] = as_strided(shape, stride, start)
     return views
 
 

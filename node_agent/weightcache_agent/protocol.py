@@ -28,7 +28,7 @@ from typing import Any
 from .errors import ProtocolError
 
 MAGIC = b"WCAP"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: manifest forms table, file signature in attach requests
 HEADER = struct.Struct("!4sHHI")
 MAX_REQUEST_BYTES = 1 << 20  # what the agent accepts from a client
 MAX_REPLY_BYTES = 256 << 20  # what a client accepts from the agent (manifests of 100k+ tensors)

@@ -1,15 +1,23 @@
 """Point a meta-device module's parameters and buffers at cache tensors, in place.
 
-Direct assignment into `_parameters` / `_buffers`, resolved through one dict of
-submodules, costs a few microseconds per tensor; `load_state_dict(assign=True)` costs
-~80x more (DESIGN §3). Tied weights (one Parameter reachable under several names) are
-rebound once and assigned under every name. Cache tensors the module does not declare
-(e.g. FP8 `weight_scale_inv`) become buffers of the owning submodule. Anything still on
-meta afterwards, or a shape/dtype that disagrees, is an `AttachError` listing every case.
+Each declared tensor keeps its identity: the module's own `Parameter` (or buffer) object
+takes over the cache tensor's storage (`torch._C._swap_tensor_impl`, the primitive under
+`torch.utils.swap_tensors`), so tied weights, parameter subclasses and attributes engines
+hang on parameters (e.g. a `weight_loader`) all survive, and nothing is reassigned. That
+costs well under a microsecond per tensor; `load_state_dict(assign=True)` costs ~80x more
+(DESIGN §3).
+
+`rebind` consumes the tensors it is given: afterwards `tensors[name]` is the module's own
+object for that name, and the tensor object passed in is an empty husk. Cache tensors the
+module does not declare (e.g. FP8 `weight_scale_inv`) become buffers of the owning
+submodule. Anything still on meta afterwards, or a shape/dtype that disagrees, is an
+`AttachError` listing every case; on such an error nothing has been swapped.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -17,107 +25,113 @@ from torch import nn
 from .errors import AttachError
 
 _MAX_LISTED = 12
+_swap = torch._C._swap_tensor_impl
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Thousands of new tensor objects would trigger full GC passes over the whole model (~100 ms)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = True) -> dict[str, int]:
     """Rebind `module` to `tensors` (name -> tensor). Returns counts per kind."""
-    # Thousands of new Parameter objects would trigger full GC passes over the whole model mid-rebind.
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with gc_paused():
         return _rebind(module, tensors, strict)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
 
 
 def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -> dict[str, int]:
-    modules, params, buffers = _slots(module)
+    modules, tables, places = _walk(module)
     problems: list[str] = []
+    targets: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, module's tensor, cache tensor)
+    extras: list[tuple[nn.Module, str, str]] = []
+    seen: set[int] = set()
     counts = {"parameters": 0, "buffers": 0, "extra": 0}
-    unbound: list[tuple[str, torch.Tensor]] = []
-
-    for kind, groups in (("parameters", params), ("buffers", buffers)):
-        for current, places in groups:
-            source, view = places[0][2], None
-            for _, _, name in places:
-                if name in tensors:
-                    source, view = name, tensors[name]
-                    break
-            if view is None:
-                unbound.append((source, current))
-                continue
-            if current.shape != view.shape or current.dtype != view.dtype:
-                problems.append(f"{source}: model expects {tuple(current.shape)} {_dt(current.dtype)}, cache holds "
-                                f"{tuple(view.shape)} {_dt(view.dtype)}")
-                unbound.append((source, current))
-                continue
-            # What nn.Parameter(view, requires_grad=False) does for a plain tensor, minus its Python frame.
-            new = torch.Tensor._make_subclass(nn.Parameter, view, False) if kind == "parameters" else view
-            for table, leaf, _ in places:
-                table[leaf] = new
-            counts[kind] += 1
-
-    # Cache tensors the module does not declare (e.g. FP8 scales) become buffers of their owner.
-    all_bound = counts["parameters"] + counts["buffers"] == len(tensors)  # the usual case: skip the search
-    declared = set() if all_bound else {n for g in (params, buffers) for _, places in g for _, _, n in places}
-    for name, view in () if all_bound else tensors.items():
-        if name in declared:
-            continue
+    covered = 0  # declared places named by the cache
+    for name, view in tensors.items():
         prefix, _, leaf = name.rpartition(".")
         owner = modules.get(prefix)
-        if owner is None or hasattr(owner, leaf):
+        if owner is None:
             if strict:
-                where = f"no submodule {prefix!r}" if owner is None else f"{prefix or 'the root'} already has an attribute {leaf!r}"
-                problems.append(f"{name}: cache tensor has nowhere to go ({where})")
+                problems.append(f"{name}: cache tensor has nowhere to go (no submodule {prefix!r})")
             continue
-        owner.register_buffer(leaf, view, persistent=True)
-        counts["extra"] += 1
+        current = owner._parameters.get(leaf)
+        kind = "parameters"
+        if current is None:
+            current, kind = owner._buffers.get(leaf), "buffers"
+            if current is None:
+                if leaf in owner._parameters or leaf in owner._buffers or hasattr(owner, leaf):
+                    if strict:
+                        problems.append(f"{name}: cache tensor has nowhere to go "
+                                        f"({prefix or 'the root'} already has an attribute {leaf!r})")
+                else:
+                    extras.append((owner, leaf, name))
+                continue
+        covered += 1
+        if id(current) in seen:  # a tied tensor the cache also holds under another name: bound once
+            continue
+        if current.shape != view.shape or current.dtype != view.dtype:
+            problems.append(f"{name}: model expects {tuple(current.shape)} {_dt(current.dtype)}, cache holds "
+                            f"{tuple(view.shape)} {_dt(view.dtype)}")
+            continue
+        seen.add(id(current))
+        targets.append((name, current, view))
+        counts[kind] += 1
 
-    problems += [f"{name}: still on the meta device (not in the cache)" for name, t in unbound if t.is_meta]
+    # Where the cache named every declared place, nothing can stay on meta: skip the search
+    # (it runs where a table holds None, e.g. nn.Linear(bias=False), or a tie is named once).
+    if covered != places:
+        problems += _left_on_meta(tables, seen)
     if problems:
         shown = "; ".join(problems[:_MAX_LISTED])
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
         raise AttachError(f"cannot attach: {shown}{more}")
+
+    for name, current, view in targets:
+        _swap(current, view)
+        tensors[name] = current
+    for owner, leaf, name in extras:
+        owner.register_buffer(leaf, tensors[name], persistent=True)
+    counts["extra"] = len(extras)
     return counts
 
 
-# Where a tensor sits: (its owner's _parameters or _buffers dict, key there, qualified name).
-Place = tuple[dict, str, str]
-Group = tuple[torch.Tensor, list[Place]]
-
-
-def _slots(module: nn.Module) -> tuple[dict[str, nn.Module], list[Group], list[Group]]:
-    """One walk of the module tree: every submodule by name, and every parameter/buffer with all
-    the places it is reachable from (tied weights, shared submodules)."""
-    modules: dict[str, nn.Module] = {}
-    params: dict[int, Group] = {}
-    buffers: dict[int, Group] = {}
-    stack = [("", module)]
-    while stack:
-        prefix, mod = stack.pop()
-        modules[prefix] = mod
+def _walk(module: nn.Module) -> tuple[dict[str, nn.Module], list[tuple[str, dict]], int]:
+    """One walk of the module tree: every submodule by qualified name, every non-empty
+    `_parameters` / `_buffers` table with its owner's name prefix, and how many entries they hold."""
+    modules = {"": module}
+    order = [("", module)]
+    tables = []
+    places = 0
+    for prefix, mod in order:  # grows while it is walked
         dot = prefix + "." if prefix else ""
-        table = mod._parameters
-        for leaf, tensor in table.items():
-            if tensor is not None:
-                group = params.get(id(tensor))
-                if group is None:
-                    params[id(tensor)] = (tensor, [(table, leaf, dot + leaf)])
-                else:
-                    group[1].append((table, leaf, dot + leaf))
-        table = mod._buffers
-        for leaf, tensor in table.items():
-            if tensor is not None:
-                group = buffers.get(id(tensor))
-                if group is None:
-                    buffers[id(tensor)] = (tensor, [(table, leaf, dot + leaf)])
-                else:
-                    group[1].append((table, leaf, dot + leaf))
+        for table in (mod._parameters, mod._buffers):
+            if table:
+                tables.append((dot, table))
+                places += len(table)
         for name, child in mod._modules.items():
             if child is not None:
-                stack.append((dot + name, child))
-    return modules, list(params.values()), list(buffers.values())
+                modules[dot + name] = child
+                order.append((dot + name, child))
+    return modules, tables, places
+
+
+def _left_on_meta(tables: list[tuple[str, dict]], bound: set[int]) -> list[str]:
+    """A meta tensor no cache tensor was aimed at, named once even where it is tied."""
+    named: set[int] = set()
+    problems = []
+    for dot, table in tables:
+        for leaf, tensor in table.items():
+            if tensor is not None and tensor.is_meta and id(tensor) not in bound and id(tensor) not in named:
+                named.add(id(tensor))
+                problems.append(f"{dot}{leaf}: still on the meta device (not in the cache)")
+    return problems
 
 
 def _dt(dtype: torch.dtype) -> str:
