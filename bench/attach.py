@@ -4,7 +4,7 @@ One run, same bytes, side by side:
   (a) baseline  -- safetensors `load_file` + `load_state_dict` into a materialised module
   (b) agent cold load -- `weightcache agent` process start to ready
   (c) attach   -- `attach()` in client mode, rebind included (fresh meta module each time)
-  (d) rebind   -- `rebind()` alone, per tensor; and `load_state_dict(assign=True)` for scale
+  (d) rebind   -- `rebind()` alone on fresh views, per tensor; and `load_state_dict(assign=True)` for scale
 
 Usage: python bench/attach.py [--gib 2] [--tensors 1024] [--repeat 20] [--dir DIR]
 The checkpoint is generated once under --dir (default $WEIGHTCACHE_BENCH_DIR or /tmp/weightcache-bench).
@@ -24,11 +24,10 @@ from safetensors.torch import load_file
 
 from weightcache_agent import CacheSpec, agent_status, attach
 from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.client import views_of
 from weightcache_agent.cpu_arena import map_readonly
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.loader import load_cache
-from weightcache_agent.rebind import rebind
+from weightcache_agent.rebind import manifest_views, rebind
 from weightcache_agent.synthetic import skeleton_module, write_checkpoint
 
 
@@ -107,15 +106,15 @@ def main() -> int:
         agent.wait()
 
     loaded = load_cache(CacheSpec(model=model))
-    views = views_of(map_readonly(loaded.arena.fd, loaded.layout.size), loaded.layout)
+    arena, columns = map_readonly(loaded.arena.fd, loaded.layout.size), loaded.layout.to_manifest()
     rebinds, assigns = [], []
     for _ in range(args.repeat):
-        module = skeleton(ckpt)
+        module, views = skeleton(ckpt), manifest_views(arena, columns)  # rebind consumes its views
         t0 = time.perf_counter()
         rebind(module, views)
         rebinds.append(time.perf_counter() - t0)
     for _ in range(3):
-        module = skeleton(ckpt)
+        module, views = skeleton(ckpt), manifest_views(arena, columns)
         t0 = time.perf_counter()
         module.load_state_dict(views, assign=True)
         assigns.append(time.perf_counter() - t0)

@@ -1,8 +1,9 @@
-"""Where an attach spends its time: request, socket round trip, views, rebind (and a profile).
+"""Where an attach spends its time: request, socket round trip, map, bind (and a profile).
 
 Starts an agent for a checkpoint of 2001 small tensors (Llama names, 222 layers), then
-attaches 12 times phase by phase, prints the median of each phase, and profiles one whole
-`attach()`. Use it to see per-tensor costs on a machine: `python bench/attach_profile.py cpu`
+attaches 12 times phase by phase -- binding alternately with the C extension and with the
+pure-Python path -- prints the median of each phase, and profiles one whole `attach()`.
+Use it to see per-tensor costs on a machine: `python bench/attach_profile.py cpu`
 here, `PYTHONPATH=node_agent python3 bench/attach_profile.py cuda` on a GPU host.
 """
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 
 from weightcache_agent import CacheSpec, agent_status, attach, protocol
 from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.client import _connect, _views
+from weightcache_agent.client import _connect
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.fingerprint import engine_request
-from weightcache_agent.rebind import rebind
+from weightcache_agent.cpu_arena import map_readonly
+from weightcache_agent.rebind import _bindfast, bind_manifest
 from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 
@@ -52,8 +54,9 @@ def main() -> int:
         shapes = {n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()}
         if args.backend == "cuda":
             torch.empty(1, device="cuda")  # the engine's CUDA context: not part of an attach
-        phases: dict[str, list[float]] = {k: [] for k in ("request", "round trip", "views", "rebind", "total")}
-        for _ in range(12):
+        phases: dict[str, list[float]] = {k: [] for k in ("request", "round trip", "map", "bind (C)", "bind (Python)")}
+        for i in range(24):
+            native = i % 2 == 0
             module = skeleton_module(shapes)
             t0 = time.perf_counter()
             request = engine_request(CacheSpec(model=model))
@@ -63,17 +66,26 @@ def main() -> int:
                                          "request": request})
             reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
             t2 = time.perf_counter()
-            views = _views(reply, fds)
+            arena = reply["arenas"][0]
+            if args.backend == "cuda":
+                from weightcache_agent.cuda_arena import map_readonly_cuda
+
+                base = map_readonly_cuda(fds[0], arena["size"], arena["device"])
+            else:
+                base = map_readonly(fds[0], arena["size"])
             t3 = time.perf_counter()
-            rebind(module, views)
+            bind_manifest(module, base, reply["tensors"], native=native)
             t4 = time.perf_counter()
-            for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0)):
+            for key, value in (("request", t1 - t0), ("round trip", t2 - t1), ("map", t3 - t2),
+                               ("bind (C)" if native else "bind (Python)", t4 - t3)):
                 phases[key].append(value * 1e3)
             conn.close()
             for fd in fds:
                 os.close(fd)
-        print(f"{len(shapes)} tensors, {args.backend}; median ms of 10 (after 2 warm-ups):")
-        print({k: round(statistics.median(v[2:]), 2) for k, v in phases.items()})
+            del module, base
+        print(f"{len(shapes)} tensors, {args.backend}, C extension {'built' if _bindfast else 'NOT built'}; "
+              f"median ms per phase (after warm-ups):")
+        print({k: round(statistics.median(v[1:]), 2) for k, v in phases.items()})
         module = skeleton_module(shapes)
         profile = cProfile.Profile()
         profile.runcall(lambda: attach(module, CacheSpec(model=model), socket=sock).close())

@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 from . import protocol
-from .checkpoint import dtype_from_name
 from .cpu_arena import map_readonly
 from .errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from .fingerprint import differences, engine_request
-from .layout import ArenaLayout
 from .loader import load_cache
-from .rebind import gc_paused, rebind
+from .rebind import bind_manifest
 from .spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -251,9 +249,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         _raise_on_error(reply, conn.getpeername())
         if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
             raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
-        with gc_paused():
-            tensors = _views(reply, fds)
-            rebind(module, tensors, strict=strict)
+        tensors = _bind_over(reply, fds, module, strict)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -266,7 +262,8 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote)
 
 
-def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
+def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+    """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     arena = manifest["arenas"][0]
     backend = manifest.get("backend", "cpu")
     if backend == "cpu":
@@ -278,42 +275,19 @@ def _views(manifest: dict[str, Any], fds: list[int]) -> dict[str, torch.Tensor]:
     else:
         raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
     try:
-        return _views_over(base, manifest["tensors"])
+        return bind_manifest(module, base, manifest["tensors"], strict)
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
+        if isinstance(e, AttachError):
+            raise
         raise ProtocolError(f"malformed manifest: {e}") from None
-
-
-def views_of(base: torch.Tensor, layout: ArenaLayout) -> dict[str, torch.Tensor]:
-    """One strided view per slot of `layout` over the uint8 arena `base`."""
-    return _views_over(base, layout.to_manifest())
-
-
-def _views_over(base: torch.Tensor, columns: dict[str, list]) -> dict[str, torch.Tensor]:
-    # One pass over the manifest columns: this loop is most of an attach. as_strided itself
-    # refuses a view that reaches past the arena's storage.
-    typed: dict[str, torch.Tensor] = {}
-    forms = []  # (bound as_strided of the arena as that dtype, shape, stride, itemsize)
-    for dtype_key, shape, stride in columns["forms"]:
-        whole = typed.get(dtype_key)
-        if whole is None:
-            whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
-        forms.append((whole.as_strided, tuple(shape), tuple(stride), whole.element_size()))
-    views = {}
-    for name, form, offset in zip(columns["name"], columns["form"], columns["offset"], strict=True):
-        as_strided, shape, stride, itemsize = forms[form]
-        start, misaligned = divmod(offset, itemsize)
-        if misaligned:
-            raise ValueError(f"tensor {name!r} at offset {offset} is not aligned to its elements")
-        views[name] = as_strided(shape, stride, start)
-    return views
 
 
 def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool) -> Attachment:
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
-        tensors = views_of(map_readonly(loaded.arena.fd, loaded.layout.size), loaded.layout)
-        rebind(module, tensors, strict=strict)
+        base = map_readonly(loaded.arena.fd, loaded.layout.size)
+        tensors = bind_manifest(module, base, loaded.layout.to_manifest(), strict)
     finally:
         loaded.arena.close()  # the mapping keeps the memory
     return Attachment(source="disk", fingerprint=loaded.fingerprint, fields=loaded.fields, nbytes=loaded.layout.nbytes,

@@ -1,0 +1,322 @@
+/* The attach hot loop in C: build a view per manifest row and swap it into the module.
+ *
+ * Same contract as `rebind.bind_manifest`'s Python path, minus the diagnostics: one walk of
+ * the module tree, one strided view per manifest row, each resolved to the module's own
+ * parameter or buffer and checked for shape and dtype, and -- only once every row checked
+ * out -- each view's storage swapped into that tensor. Anything unusual (a row with no
+ * owner, a shape or dtype that disagrees, a tensor left on meta, a name that collides with
+ * an attribute) returns None having changed nothing, and the Python path then produces the
+ * error that names every case. A malformed manifest raises ValueError / TypeError.
+ *
+ * Plain CPython API: torch is reached only through the Python objects handed in (the bound
+ * `as_strided` of the arena per form, `torch._C._swap_tensor_impl`), so one build works
+ * with every torch version.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta;
+
+typedef struct {
+    PyObject *modules;  /* qualified name -> module */
+    PyObject *tables;   /* list of the non-empty _parameters / _buffers dicts */
+    Py_ssize_t places;  /* non-None entries in them */
+} Tree;
+
+static int add_table(Tree *tree, PyObject *module, PyObject *attr) {
+    PyObject *table = PyObject_GetAttr(module, attr);
+    if (table == NULL)
+        return -1;
+    if (!PyDict_Check(table)) {
+        PyErr_Format(PyExc_TypeError, "module %R.%U is not a dict", module, attr);
+        Py_DECREF(table);
+        return -1;
+    }
+    if (PyDict_GET_SIZE(table) > 0) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *value;
+        while (PyDict_Next(table, &pos, &key, &value))
+            tree->places += value != Py_None;
+        if (PyList_Append(tree->tables, table) < 0) {
+            Py_DECREF(table);
+            return -1;
+        }
+    }
+    Py_DECREF(table);
+    return 0;
+}
+
+static int walk(PyObject *root, Tree *tree) {
+    PyObject *order = PyList_New(0);  /* (qualified name, module), appended while it is walked */
+    PyObject *first = PyUnicode_FromString("");
+    PyObject *pair = first ? PyTuple_Pack(2, first, root) : NULL;
+    int rc = -1;
+    if (order == NULL || pair == NULL || PyDict_SetItem(tree->modules, first, root) < 0 || PyList_Append(order, pair) < 0)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(order); i++) {
+        PyObject *prefix = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 0);
+        PyObject *module = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 1);
+        if (add_table(tree, module, s_parameters) < 0 || add_table(tree, module, s_buffers) < 0)
+            goto done;
+        PyObject *children = PyObject_GetAttr(module, s_modules);
+        if (children == NULL)
+            goto done;
+        if (!PyDict_Check(children)) {
+            PyErr_Format(PyExc_TypeError, "module %R._modules is not a dict", module);
+            Py_DECREF(children);
+            goto done;
+        }
+        Py_ssize_t pos = 0;
+        PyObject *name, *child;
+        int failed = 0;
+        while (!failed && PyDict_Next(children, &pos, &name, &child)) {
+            if (child == Py_None)
+                continue;
+            PyObject *qualified = PyUnicode_GET_LENGTH(prefix) ? PyUnicode_FromFormat("%U.%U", prefix, name)
+                                                                : Py_NewRef(name);
+            PyObject *next = qualified ? PyTuple_Pack(2, qualified, child) : NULL;
+            failed = next == NULL || PyDict_SetItem(tree->modules, qualified, child) < 0 ||
+                     PyList_Append(order, next) < 0;
+            Py_XDECREF(qualified);
+            Py_XDECREF(next);
+        }
+        Py_DECREF(children);
+        if (failed)
+            goto done;
+    }
+    rc = 0;
+done:
+    Py_XDECREF(order);
+    Py_XDECREF(first);
+    Py_XDECREF(pair);
+    return rc;
+}
+
+/* 1 if some tensor in the tables is still on meta and not among `bound`, 0 if none, -1 on error. */
+static int left_on_meta(PyObject *tables, PyObject *bound) {
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(tables); t++) {
+        Py_ssize_t pos = 0;
+        PyObject *key, *tensor;
+        while (PyDict_Next(PyList_GET_ITEM(tables, t), &pos, &key, &tensor)) {
+            if (tensor == Py_None)
+                continue;
+            PyObject *is_meta = PyObject_GetAttr(tensor, s_is_meta);
+            if (is_meta == NULL)
+                return -1;
+            int meta = is_meta == Py_True;
+            Py_DECREF(is_meta);
+            if (!meta)
+                continue;
+            PyObject *id = PyLong_FromVoidPtr(tensor);
+            int in = id ? PySet_Contains(bound, id) : -1;
+            Py_XDECREF(id);
+            if (in <= 0)
+                return in < 0 ? -1 : 1;
+        }
+    }
+    return 0;
+}
+
+/* The module's own tensor under `leaf` of `owner`, a new reference; Py_None when it has no such
+ * entry and nothing else by that name (a place for an extra buffer); NULL with no error set when
+ * the name is taken by something else; NULL with an error set on failure. */
+static PyObject *declared(PyObject *owner, PyObject *leaf) {
+    PyObject *attrs[2] = {s_parameters, s_buffers};
+    int present = 0;
+    for (int i = 0; i < 2; i++) {
+        PyObject *table = PyObject_GetAttr(owner, attrs[i]);
+        if (table == NULL)
+            return NULL;
+        PyObject *current = PyDict_Check(table) ? PyDict_GetItemWithError(table, leaf) : NULL;
+        if (current != NULL && current != Py_None) {
+            Py_INCREF(current);
+            Py_DECREF(table);
+            return current;
+        }
+        present |= current != NULL;
+        Py_DECREF(table);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    if (present)
+        return NULL;
+    int has = PyObject_HasAttr(owner, leaf);
+    if (has)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
+ *
+ * forms: list of (as_strided of the arena viewed as the form's dtype, shape tuple, stride tuple,
+ * itemsize, dtype). extras: (owner, leaf, name) of rows the module does not declare. */
+static PyObject *bind(PyObject *self, PyObject *args) {
+    PyObject *module, *names, *form_index, *offsets, *forms, *swap;
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O", &module, &PyList_Type, &names, &PyList_Type, &form_index,
+                          &PyList_Type, &offsets, &PyList_Type, &forms, &swap))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(names), nforms = PyList_GET_SIZE(forms);
+    if (PyList_GET_SIZE(form_index) != n || PyList_GET_SIZE(offsets) != n) {
+        PyErr_Format(PyExc_ValueError, "manifest columns differ in length: %zd names, %zd forms, %zd offsets", n,
+                     PyList_GET_SIZE(form_index), PyList_GET_SIZE(offsets));
+        return NULL;
+    }
+    for (Py_ssize_t f = 0; f < nforms; f++) {
+        PyObject *form = PyList_GET_ITEM(forms, f);
+        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
+            PyErr_SetString(PyExc_TypeError, "forms must be (as_strided, shape, stride, itemsize, dtype) tuples");
+            return NULL;
+        }
+    }
+    Tree tree = {PyDict_New(), PyList_New(0), 0};
+    PyObject *targets = PyList_New(0), *bound = PySet_New(NULL), *tensors = PyDict_New(), *extras = PyList_New(0);
+    PyObject *result = NULL;
+    Py_ssize_t covered = 0;
+    if (!tree.modules || !tree.tables || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0)
+        goto done;
+
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyList_GET_ITEM(names, i), *fi = PyList_GET_ITEM(form_index, i);
+        PyObject *offset = PyList_GET_ITEM(offsets, i);
+        if (!PyUnicode_Check(name) || !PyLong_Check(fi) || !PyLong_Check(offset)) {
+            PyErr_Format(PyExc_TypeError, "manifest row %zd: name must be a str, form and offset ints", i);
+            goto done;
+        }
+        Py_ssize_t f = PyLong_AsSsize_t(fi);
+        long long at = PyLong_AsLongLong(offset);
+        if (PyErr_Occurred())
+            goto done;
+        if (f < 0 || f >= nforms) {
+            PyErr_Format(PyExc_ValueError, "tensor %R: form %zd is not one of the %zd forms", name, f, nforms);
+            goto done;
+        }
+        PyObject *form = PyList_GET_ITEM(forms, f);
+        long long itemsize = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 3));
+        if (itemsize <= 0 || at < 0 || at % itemsize) {
+            PyErr_Format(PyExc_ValueError, "tensor %R at offset %lld is not aligned to its elements", name, at);
+            goto done;
+        }
+        PyObject *start = PyLong_FromLongLong(at / itemsize);
+        if (start == NULL)
+            goto done;
+        PyObject *call_args[3] = {PyTuple_GET_ITEM(form, 1), PyTuple_GET_ITEM(form, 2), start};
+        PyObject *view = PyObject_Vectorcall(PyTuple_GET_ITEM(form, 0), call_args, 3, NULL);
+        Py_DECREF(start);
+        if (view == NULL || PyDict_SetItem(tensors, name, view) < 0) {
+            Py_XDECREF(view);
+            goto done;
+        }
+        Py_DECREF(view);  /* `tensors` holds it */
+
+        Py_ssize_t len = PyUnicode_GET_LENGTH(name);
+        Py_ssize_t dot = PyUnicode_FindChar(name, '.', 0, len, -1);
+        if (dot == -2)
+            goto done;
+        PyObject *prefix = dot < 0 ? PyUnicode_FromString("") : PyUnicode_Substring(name, 0, dot);
+        PyObject *leaf = PyUnicode_Substring(name, dot + 1, len);
+        PyObject *owner = prefix ? PyDict_GetItemWithError(tree.modules, prefix) : NULL;
+        Py_XDECREF(prefix);
+        if (leaf == NULL || PyErr_Occurred()) {
+            Py_XDECREF(leaf);
+            goto done;
+        }
+        if (owner == NULL) {
+            Py_DECREF(leaf);
+            goto unclean;
+        }
+        PyObject *current = declared(owner, leaf);
+        if (current == NULL) {
+            Py_DECREF(leaf);
+            if (PyErr_Occurred())
+                goto done;
+            goto unclean;
+        }
+        if (current == Py_None) {
+            PyObject *extra = PyTuple_Pack(3, owner, leaf, name);
+            Py_DECREF(current);
+            Py_DECREF(leaf);
+            if (extra == NULL || PyList_Append(extras, extra) < 0) {
+                Py_XDECREF(extra);
+                goto done;
+            }
+            Py_DECREF(extra);
+            continue;
+        }
+        Py_DECREF(leaf);
+        covered++;
+        PyObject *id = PyLong_FromVoidPtr(current);
+        int seen = id ? PySet_Contains(bound, id) : -1;
+        if (seen != 0) {  /* a tied tensor the cache also holds under another name: bound once */
+            Py_XDECREF(id);
+            Py_DECREF(current);
+            if (seen < 0)
+                goto done;
+            continue;
+        }
+        PyObject *shape = PyObject_GetAttr(current, s_shape);
+        PyObject *dtype = shape ? PyObject_GetAttr(current, s_dtype) : NULL;
+        int same = dtype == NULL ? -1 : PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(form, 1), Py_EQ);
+        if (same == 1)
+            same = dtype == PyTuple_GET_ITEM(form, 4);
+        Py_XDECREF(shape);
+        Py_XDECREF(dtype);
+        PyObject *target = same == 1 ? PyTuple_Pack(3, name, current, view) : NULL;
+        if (same < 0 || (same == 1 && (target == NULL || PySet_Add(bound, id) < 0 || PyList_Append(targets, target) < 0))) {
+            Py_XDECREF(target);
+            Py_DECREF(id);
+            Py_DECREF(current);
+            goto done;
+        }
+        Py_XDECREF(target);
+        Py_DECREF(id);
+        Py_DECREF(current);
+        if (!same)
+            goto unclean;
+    }
+    if (covered != tree.places) {  /* a table holds a tensor the cache did not name */
+        int left = left_on_meta(tree.tables, bound);
+        if (left < 0)
+            goto done;
+        if (left)
+            goto unclean;
+    }
+    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(targets); t++) {
+        PyObject *target = PyList_GET_ITEM(targets, t);
+        PyObject *pair[2] = {PyTuple_GET_ITEM(target, 1), PyTuple_GET_ITEM(target, 2)};
+        PyObject *ok = PyObject_Vectorcall(swap, pair, 2, NULL);
+        if (ok == NULL || PyDict_SetItem(tensors, PyTuple_GET_ITEM(target, 0), pair[0]) < 0) {
+            Py_XDECREF(ok);
+            goto done;
+        }
+        Py_DECREF(ok);
+    }
+    result = PyTuple_Pack(2, tensors, extras);
+    goto done;
+unclean:  /* nothing swapped: the Python path names every problem */
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(tree.modules);
+    Py_XDECREF(tree.tables);
+    Py_XDECREF(targets);
+    Py_XDECREF(bound);
+    Py_XDECREF(tensors);
+    Py_XDECREF(extras);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS, "bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) | None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef moduledef = {PyModuleDef_HEAD_INIT, "_bindfast", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__bindfast(void) {
+    if (!(s_parameters = PyUnicode_InternFromString("_parameters")) ||
+        !(s_buffers = PyUnicode_InternFromString("_buffers")) || !(s_modules = PyUnicode_InternFromString("_modules")) ||
+        !(s_shape = PyUnicode_InternFromString("shape")) || !(s_dtype = PyUnicode_InternFromString("dtype")) ||
+        !(s_is_meta = PyUnicode_InternFromString("is_meta")))
+        return NULL;
+    return PyModule_Create(&moduledef);
+}

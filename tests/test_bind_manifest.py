@@ -1,0 +1,123 @@
+"""Binding a module from manifest columns: the C extension and the Python path agree on every case.
+
+The C loop handles the common case itself and hands anything unusual to the Python path,
+which names the problems; either way the module ends up the same, or nothing is swapped.
+"""
+from __future__ import annotations
+
+import shutil
+import sysconfig
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from weightcache_agent.errors import AttachError
+from weightcache_agent.layout import lay_out
+from weightcache_agent.rebind import _bindfast, bind_manifest
+
+PATHS = [pytest.param(True, id="C"), pytest.param(False, id="python")]
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 4, bias=False)  # holds bias=None: the search for leftovers runs
+        self.norm = nn.LayerNorm(4)
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def meta_model() -> Model:
+    with torch.device("meta"):
+        return Model()
+
+
+def arena(extra: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict, dict]:
+    """A uint8 arena holding the Model's tensors (tied head named once) in manifest order."""
+    g = torch.Generator().manual_seed(1)
+    values = {n: (torch.randn(t.shape, generator=g) * 10).to(t.dtype) for n, t in meta_model().state_dict().items()
+              if n != "head.weight" and n not in drop}
+    values.update(extra or {})
+    layout = lay_out([(n, t.dtype, tuple(t.shape), "weight") for n, t in values.items()])
+    base = torch.zeros(layout.size, dtype=torch.uint8)
+    for slot in layout.slots:
+        base[slot.offset:slot.offset + slot.nbytes].copy_(values[slot.name].contiguous().view(-1).view(torch.uint8))
+    return base, layout.to_manifest(), values
+
+
+def test_the_extension_is_built_where_a_compiler_exists():
+    if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(
+            os.path.join(sysconfig.get_paths()["include"], "Python.h")):
+        pytest.skip("no C compiler or Python headers here: the pure-Python path serves")
+    assert _bindfast is not None, "setup.py's optional extension failed to build; see the pip install log"
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_every_tensor_is_bound_in_place_to_the_arena(native):
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena()
+    m = meta_model()
+    before = dict(m.named_parameters(remove_duplicate=False))
+    tensors = bind_manifest(m, base, columns, native=native)
+    assert all(p is before[n] for n, p in m.named_parameters(remove_duplicate=False))
+    assert m.head.weight is m.embed.weight
+    lo, hi = base.data_ptr(), base.data_ptr() + base.numel()
+    for name, t in m.state_dict().items():
+        expected = values["embed.weight" if name == "head.weight" else name]
+        assert torch.equal(t, expected) and lo <= t.data_ptr() < hi, name
+    assert all(tensors[n] is t for n, t in m.state_dict(keep_vars=True).items() if n in tensors)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_undeclared_tensors_become_buffers(native):
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena({"layers.0.proj.weight_scale_inv": torch.ones(1, 1)})
+    m = meta_model()
+    bind_manifest(m, base, columns, native=native)
+    assert torch.equal(m.layers[0].proj.weight_scale_inv, torch.ones(1, 1))
+    assert "layers.0.proj.weight_scale_inv" in m.state_dict()
+
+
+@pytest.mark.parametrize("native", PATHS)
+@pytest.mark.parametrize("case,message", [
+    ("missing", r"layers\.1\.norm\.bias: still on the meta device"),
+    ("shape", r"layers\.0\.norm\.weight: model expects \(4,\) float32, cache holds \(5,\) float32"),
+    ("dtype", r"layers\.0\.steps: model expects \(2,\) int64, cache holds \(2,\) int32"),
+    ("homeless", r"decoder\.x: cache tensor has nowhere to go \(no submodule 'decoder'\)"),
+    ("collision", r"layers\.0\.proj\.in_features: cache tensor has nowhere to go"),
+])
+def test_refusals_name_the_tensor_and_swap_nothing(native, case, message):
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    extra = {"shape": {"layers.0.norm.weight": torch.zeros(5)}, "dtype": {"layers.0.steps": torch.zeros(2, dtype=torch.int32)},
+             "homeless": {"decoder.x": torch.zeros(1)}, "collision": {"layers.0.proj.in_features": torch.zeros(1)}}.get(case)
+    base, columns, _ = arena(extra, drop=("layers.1.norm.bias",) if case == "missing" else ())
+    m = meta_model()
+    with pytest.raises(AttachError, match=message):
+        bind_manifest(m, base, columns, native=native)
+    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_malformed_columns_are_refused(native):
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, _ = arena()
+    for broken in ({**columns, "form": [len(columns["forms"])] * len(columns["name"])},
+                   {**columns, "offset": [o + 1 for o in columns["offset"]]},
+                   {**columns, "offset": columns["offset"][:-1]},
+                   {**columns, "offset": [2 ** 40] * len(columns["name"])}):
+        with pytest.raises((ValueError, IndexError, TypeError, RuntimeError)):
+            bind_manifest(meta_model(), base, broken, native=native)
