@@ -211,8 +211,10 @@ def test_200_attach_detach_cycles_leave_no_memory_or_fds(gpu_model, tmp_path):
         fds_agent = len(os.listdir(f"/proc/{agent.proc.pid}/fd"))
         import json
 
-        out = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                                        timeout=600).stdout)
+        run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", script], capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, f"engine exited {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-6000:]}"
+        out = json.loads(run.stdout)
         assert out["fds1"] <= out["fds0"]
         assert out["free1"] >= out["free0"] - 4 * 2**20
         time.sleep(0.2)

@@ -15,35 +15,26 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta;
+static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta, *s_dot;
 
 typedef struct {
-    PyObject *modules;  /* qualified name -> module */
-    PyObject *tables;   /* list of the non-empty _parameters / _buffers dicts */
-    Py_ssize_t places;  /* non-None entries in them */
+    PyObject *modules;   /* qualified name -> module */
+    PyObject *declared;  /* qualified name -> the module's non-None parameter or buffer */
 } Tree;
 
-static int add_table(Tree *tree, PyObject *module, PyObject *attr) {
-    PyObject *table = PyObject_GetAttr(module, attr);
-    if (table == NULL)
-        return -1;
-    if (!PyDict_Check(table)) {
+/* nn.Module keeps these in its instance dict; the generic lookup skips the __getattr__ hook. */
+static PyObject *table_of(PyObject *module, PyObject *attr) {
+    PyObject *table = PyObject_GenericGetAttr(module, attr);
+    if (table != NULL && !PyDict_Check(table)) {
         PyErr_Format(PyExc_TypeError, "module %R.%U is not a dict", module, attr);
-        Py_DECREF(table);
-        return -1;
+        Py_CLEAR(table);
     }
-    if (PyDict_GET_SIZE(table) > 0) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *value;
-        while (PyDict_Next(table, &pos, &key, &value))
-            tree->places += value != Py_None;
-        if (PyList_Append(tree->tables, table) < 0) {
-            Py_DECREF(table);
-            return -1;
-        }
-    }
-    Py_DECREF(table);
-    return 0;
+    return table;
+}
+
+/* `dot` + `leaf`, or `leaf` itself at the root (`dot` NULL). */
+static PyObject *qualify(PyObject *dot, PyObject *leaf) {
+    return dot == NULL ? Py_NewRef(leaf) : PyUnicode_Concat(dot, leaf);
 }
 
 static int walk(PyObject *root, Tree *tree) {
@@ -56,31 +47,37 @@ static int walk(PyObject *root, Tree *tree) {
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(order); i++) {
         PyObject *prefix = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 0);
         PyObject *module = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 1);
-        if (add_table(tree, module, s_parameters) < 0 || add_table(tree, module, s_buffers) < 0)
+        PyObject *dot = PyUnicode_GET_LENGTH(prefix) ? PyUnicode_Concat(prefix, s_dot) : NULL;
+        if (PyUnicode_GET_LENGTH(prefix) && dot == NULL)
             goto done;
-        PyObject *children = PyObject_GetAttr(module, s_modules);
-        if (children == NULL)
-            goto done;
-        if (!PyDict_Check(children)) {
-            PyErr_Format(PyExc_TypeError, "module %R._modules is not a dict", module);
-            Py_DECREF(children);
-            goto done;
-        }
-        Py_ssize_t pos = 0;
-        PyObject *name, *child;
+        PyObject *attrs[3] = {s_parameters, s_buffers, s_modules};
         int failed = 0;
-        while (!failed && PyDict_Next(children, &pos, &name, &child)) {
-            if (child == Py_None)
-                continue;
-            PyObject *qualified = PyUnicode_GET_LENGTH(prefix) ? PyUnicode_FromFormat("%U.%U", prefix, name)
-                                                                : Py_NewRef(name);
-            PyObject *next = qualified ? PyTuple_Pack(2, qualified, child) : NULL;
-            failed = next == NULL || PyDict_SetItem(tree->modules, qualified, child) < 0 ||
-                     PyList_Append(order, next) < 0;
-            Py_XDECREF(qualified);
-            Py_XDECREF(next);
+        for (int a = 0; a < 3 && !failed; a++) {
+            PyObject *table = table_of(module, attrs[a]);
+            if (table == NULL) {
+                failed = 1;
+                break;
+            }
+            Py_ssize_t pos = 0;
+            PyObject *leaf, *value;
+            while (!failed && PyDict_Next(table, &pos, &leaf, &value)) {
+                if (value == Py_None)
+                    continue;
+                PyObject *name = qualify(dot, leaf);
+                if (name == NULL) {
+                    failed = 1;
+                } else if (a < 2) {
+                    failed = PyDict_SetItem(tree->declared, name, value) < 0;
+                } else {
+                    PyObject *next = PyTuple_Pack(2, name, value);
+                    failed = next == NULL || PyDict_SetItem(tree->modules, name, value) < 0 || PyList_Append(order, next) < 0;
+                    Py_XDECREF(next);
+                }
+                Py_XDECREF(name);
+            }
+            Py_DECREF(table);
         }
-        Py_DECREF(children);
+        Py_XDECREF(dot);
         if (failed)
             goto done;
     }
@@ -92,58 +89,61 @@ done:
     return rc;
 }
 
-/* 1 if some tensor in the tables is still on meta and not among `bound`, 0 if none, -1 on error. */
-static int left_on_meta(PyObject *tables, PyObject *bound) {
-    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(tables); t++) {
-        Py_ssize_t pos = 0;
-        PyObject *key, *tensor;
-        while (PyDict_Next(PyList_GET_ITEM(tables, t), &pos, &key, &tensor)) {
-            if (tensor == Py_None)
-                continue;
-            PyObject *is_meta = PyObject_GetAttr(tensor, s_is_meta);
-            if (is_meta == NULL)
-                return -1;
-            int meta = is_meta == Py_True;
-            Py_DECREF(is_meta);
-            if (!meta)
-                continue;
-            PyObject *id = PyLong_FromVoidPtr(tensor);
-            int in = id ? PySet_Contains(bound, id) : -1;
-            Py_XDECREF(id);
-            if (in <= 0)
-                return in < 0 ? -1 : 1;
-        }
+/* 1 if a declared tensor is still on meta and not among `bound`, 0 if none, -1 on error. */
+static int left_on_meta(PyObject *declared, PyObject *bound) {
+    Py_ssize_t pos = 0;
+    PyObject *name, *tensor;
+    while (PyDict_Next(declared, &pos, &name, &tensor)) {
+        PyObject *is_meta = PyObject_GetAttr(tensor, s_is_meta);
+        if (is_meta == NULL)
+            return -1;
+        int meta = is_meta == Py_True;
+        Py_DECREF(is_meta);
+        if (!meta)
+            continue;
+        PyObject *id = PyLong_FromVoidPtr(tensor);
+        int in = id ? PySet_Contains(bound, id) : -1;
+        Py_XDECREF(id);
+        if (in <= 0)
+            return in < 0 ? -1 : 1;
     }
     return 0;
 }
 
-/* The module's own tensor under `leaf` of `owner`, a new reference; Py_None when it has no such
- * entry and nothing else by that name (a place for an extra buffer); NULL with no error set when
- * the name is taken by something else; NULL with an error set on failure. */
-static PyObject *declared(PyObject *owner, PyObject *leaf) {
+/* A row the module does not declare: 1 with *owner and *leaf (new references) where it can become a
+ * buffer of its owner, 0 where it cannot (no owner, the name taken), -1 on error. */
+static int extra_place(Tree *tree, PyObject *name, PyObject **owner, PyObject **leaf) {
+    *owner = *leaf = NULL;
+    Py_ssize_t len = PyUnicode_GET_LENGTH(name);
+    Py_ssize_t dot = PyUnicode_FindChar(name, '.', 0, len, -1);
+    if (dot == -2)
+        return -1;
+    PyObject *prefix = dot < 0 ? PyUnicode_FromString("") : PyUnicode_Substring(name, 0, dot);
+    if (prefix == NULL)
+        return -1;
+    PyObject *found = PyDict_GetItemWithError(tree->modules, prefix);  /* borrowed */
+    Py_DECREF(prefix);
+    if (found == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *tail = PyUnicode_Substring(name, dot + 1, len);
+    if (tail == NULL)
+        return -1;
     PyObject *attrs[2] = {s_parameters, s_buffers};
-    int present = 0;
-    for (int i = 0; i < 2; i++) {
-        PyObject *table = PyObject_GetAttr(owner, attrs[i]);
-        if (table == NULL)
-            return NULL;
-        PyObject *current = PyDict_Check(table) ? PyDict_GetItemWithError(table, leaf) : NULL;
-        if (current != NULL && current != Py_None) {
-            Py_INCREF(current);
-            Py_DECREF(table);
-            return current;
-        }
-        present |= current != NULL;
-        Py_DECREF(table);
-        if (PyErr_Occurred())
-            return NULL;
+    int taken = 0;
+    for (int a = 0; a < 2 && !taken; a++) {  /* an entry holding None (Linear(bias=False)) is taken too */
+        PyObject *table = table_of(found, attrs[a]);
+        taken = table == NULL ? -1 : PyDict_Contains(table, tail);
+        Py_XDECREF(table);
     }
-    if (present)
-        return NULL;
-    int has = PyObject_HasAttr(owner, leaf);
-    if (has)
-        return NULL;
-    Py_RETURN_NONE;
+    if (taken == 0)
+        taken = PyObject_HasAttr(found, tail);
+    if (taken != 0) {
+        Py_DECREF(tail);
+        return taken < 0 ? -1 : 0;
+    }
+    *owner = Py_NewRef(found);
+    *leaf = tail;
+    return 1;
 }
 
 /* bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
@@ -169,11 +169,11 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    Tree tree = {PyDict_New(), PyList_New(0), 0};
+    Tree tree = {PyDict_New(), PyDict_New()};
     PyObject *targets = PyList_New(0), *bound = PySet_New(NULL), *tensors = PyDict_New(), *extras = PyList_New(0);
     PyObject *result = NULL;
     Py_ssize_t covered = 0;
-    if (!tree.modules || !tree.tables || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0)
+    if (!tree.modules || !tree.declared || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0)
         goto done;
 
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -209,33 +209,15 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         }
         Py_DECREF(view);  /* `tensors` holds it */
 
-        Py_ssize_t len = PyUnicode_GET_LENGTH(name);
-        Py_ssize_t dot = PyUnicode_FindChar(name, '.', 0, len, -1);
-        if (dot == -2)
-            goto done;
-        PyObject *prefix = dot < 0 ? PyUnicode_FromString("") : PyUnicode_Substring(name, 0, dot);
-        PyObject *leaf = PyUnicode_Substring(name, dot + 1, len);
-        PyObject *owner = prefix ? PyDict_GetItemWithError(tree.modules, prefix) : NULL;
-        Py_XDECREF(prefix);
-        if (leaf == NULL || PyErr_Occurred()) {
-            Py_XDECREF(leaf);
-            goto done;
-        }
-        if (owner == NULL) {
-            Py_DECREF(leaf);
-            goto unclean;
-        }
-        PyObject *current = declared(owner, leaf);
+        PyObject *current = PyDict_GetItemWithError(tree.declared, name);  /* borrowed */
         if (current == NULL) {
-            Py_DECREF(leaf);
-            if (PyErr_Occurred())
-                goto done;
-            goto unclean;
-        }
-        if (current == Py_None) {
-            PyObject *extra = PyTuple_Pack(3, owner, leaf, name);
-            Py_DECREF(current);
-            Py_DECREF(leaf);
+            PyObject *owner = NULL, *leaf = NULL;
+            int place = PyErr_Occurred() ? -1 : extra_place(&tree, name, &owner, &leaf);
+            PyObject *extra = place == 1 ? PyTuple_Pack(3, owner, leaf, name) : NULL;
+            Py_XDECREF(owner);
+            Py_XDECREF(leaf);
+            if (place == 0)
+                goto unclean;
             if (extra == NULL || PyList_Append(extras, extra) < 0) {
                 Py_XDECREF(extra);
                 goto done;
@@ -243,13 +225,11 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             Py_DECREF(extra);
             continue;
         }
-        Py_DECREF(leaf);
         covered++;
         PyObject *id = PyLong_FromVoidPtr(current);
         int seen = id ? PySet_Contains(bound, id) : -1;
         if (seen != 0) {  /* a tied tensor the cache also holds under another name: bound once */
             Py_XDECREF(id);
-            Py_DECREF(current);
             if (seen < 0)
                 goto done;
             continue;
@@ -262,20 +242,17 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         Py_XDECREF(shape);
         Py_XDECREF(dtype);
         PyObject *target = same == 1 ? PyTuple_Pack(3, name, current, view) : NULL;
-        if (same < 0 || (same == 1 && (target == NULL || PySet_Add(bound, id) < 0 || PyList_Append(targets, target) < 0))) {
-            Py_XDECREF(target);
-            Py_DECREF(id);
-            Py_DECREF(current);
-            goto done;
-        }
+        int failed = same < 0 || (same == 1 && (target == NULL || PySet_Add(bound, id) < 0 ||
+                                                PyList_Append(targets, target) < 0));
         Py_XDECREF(target);
         Py_DECREF(id);
-        Py_DECREF(current);
+        if (failed)
+            goto done;
         if (!same)
             goto unclean;
     }
-    if (covered != tree.places) {  /* a table holds a tensor the cache did not name */
-        int left = left_on_meta(tree.tables, bound);
+    if (covered != PyDict_GET_SIZE(tree.declared)) {  /* the cache did not name every declared tensor */
+        int left = left_on_meta(tree.declared, bound);
         if (left < 0)
             goto done;
         if (left)
@@ -297,7 +274,7 @@ unclean:  /* nothing swapped: the Python path names every problem */
     result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(tree.modules);
-    Py_XDECREF(tree.tables);
+    Py_XDECREF(tree.declared);
     Py_XDECREF(targets);
     Py_XDECREF(bound);
     Py_XDECREF(tensors);
@@ -316,7 +293,7 @@ PyMODINIT_FUNC PyInit__bindfast(void) {
     if (!(s_parameters = PyUnicode_InternFromString("_parameters")) ||
         !(s_buffers = PyUnicode_InternFromString("_buffers")) || !(s_modules = PyUnicode_InternFromString("_modules")) ||
         !(s_shape = PyUnicode_InternFromString("shape")) || !(s_dtype = PyUnicode_InternFromString("dtype")) ||
-        !(s_is_meta = PyUnicode_InternFromString("is_meta")))
+        !(s_is_meta = PyUnicode_InternFromString("is_meta")) || !(s_dot = PyUnicode_InternFromString(".")))
         return NULL;
     return PyModule_Create(&moduledef);
 }

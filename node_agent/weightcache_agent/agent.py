@@ -77,6 +77,8 @@ class Agent:
         self.progress = LoadProgress()
         self.cache: LoadedCache | None = None
         self._manifest = b"[]"
+        # engine fields per distinct request: every engine of a deployment sends the same one
+        self._engine_fields: dict[str, dict[str, Any]] = {}
         self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
@@ -347,7 +349,7 @@ class Agent:
             protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
             return None
         try:
-            fields = fields_for_request(request, self.cache.checkpoint)
+            fields = self._fields_for(request)
         except RevisionRequired:
             protocol.send_message(conn, protocol.error_message(
                 "revision_required", "the engine's checkpoint files differ from the ones loaded (name, size, mtime "
@@ -390,6 +392,15 @@ class Agent:
         self.attaches += 1
         log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, role, group, lease.id, seconds * 1e3)
         return lease
+
+    def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
+        key = json.dumps(request, sort_keys=True)
+        fields = self._engine_fields.get(key)
+        if fields is None:
+            fields = fields_for_request(request, self.cache.checkpoint)
+            if len(self._engine_fields) < 64:  # bounded: a stream of odd requests must not grow it
+                self._engine_fields[key] = fields
+        return dict(fields)
 
     def _register(self, conn: socket.socket, pid: int | None, role: str, group: str | None) -> Lease | None:
         """A new lease, or None (after telling the client) when its group already has a primary."""

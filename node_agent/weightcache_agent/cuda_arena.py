@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
@@ -121,9 +122,14 @@ class _Mapping:
             self._handle = None
 
     def __del__(self) -> None:
+        # A tensor still alive at exit (a lease thread finishing, a module global) drops its
+        # mapping during finalization, when a driver call -- which releases the GIL -- is a fatal
+        # error. The process is ending and the driver reclaims the mapping with it.
+        if sys.is_finalizing():
+            return
         try:
             self.release()
-        except Exception:  # interpreter shutdown: the driver may already be gone
+        except Exception:
             pass
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 from typing import Iterator
 
 import torch
@@ -33,6 +34,8 @@ from .errors import AttachError
 try:
     from . import _bindfast
 except ImportError:  # built without a C compiler: the Python path does the same work
+    _bindfast = None
+if os.environ.get("WEIGHTCACHE_NATIVE_BIND") == "0":  # an escape hatch, and a way to compare the paths
     _bindfast = None
 
 _MAX_LISTED = 12
