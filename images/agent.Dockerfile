@@ -8,10 +8,13 @@ RUN apt-get update \
 # torch first, from the index that matches the base image's CUDA.
 RUN pip install "torch>=2.4,<3" --index-url https://download.pytorch.org/whl/cu128
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY node_agent node_agent
 COPY operator operator
-RUN pip install ".[cuda]" && rm -rf /src
+# A compiler only for the install: it builds the attach loop's C extension (setup.py).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc python3-dev \
+ && pip install ".[cuda]" \
+ && apt-get purge -y gcc python3-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* /src
 WORKDIR /
 # The DaemonSet passes the rest: --model, --socket-dir, --tp-size, --devices, --http-port, ...
 ENTRYPOINT ["weightcache", "agent"]

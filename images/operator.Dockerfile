@@ -2,7 +2,7 @@
 # Build from the repository root:  docker build -f images/operator.Dockerfile -t ghcr.io/weightcache/operator:0.1.0 .
 FROM python:3.12-slim
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY node_agent node_agent
 COPY operator operator
 # --no-deps: the distribution's core dependencies (torch, ...) are the agent's, not the operator's.
