@@ -1,14 +1,18 @@
 """Cold load vs the disk: the agent's loader as a fraction of a raw sequential read, one run.
 
-    python bench/cold_load.py [--trials 3] [--readers auto[,1,4...]] [--dir $WEIGHTCACHE_BENCH_DIR]
+    python bench/cold_load.py [--trials 3] [--readers auto[,1,4...]] [--direct off,on[,auto]]
+                              [--layers 12] [--dir $WEIGHTCACHE_BENCH_DIR]
 
 Writes a Llama-shaped bf16 checkpoint of at least 4 GiB once (kept under the bench dir),
-then, for each trial and each reader count: drops the files from the page cache
-(posix_fadvise DONTNEED) and times a raw sequential read of the same files into one
-reused buffer; drops again and times `load_cache` (plan, arena, read, seal) without
-quantization; then the same pair (raw, drop, load) with fp8-block. Every load is paired
-with the raw read just before it, so a disk whose rate drifts between trials (a VM's
-virtual disk, a shared host) is compared with itself.
+then, for each trial, each reader count and each direct-I/O setting: drops the files from
+the page cache (posix_fadvise DONTNEED) and times a raw sequential read of the same files
+into one reused buffer; drops again and times `load_cache` (plan, arena, read, seal)
+without quantization; then the same pair (raw, drop, load) with fp8-block. Every load is
+paired with the raw read just before it, so a disk whose rate drifts between trials (a
+VM's virtual disk, a shared host) is compared with itself. The raw read is always a
+buffered sequential preadv (the baseline issue 3 defines); `--direct` sets the loader's
+WEIGHTCACHE_DIRECT_IO (off: buffered reads and sendfile; on / auto: O_DIRECT reads of
+the cold files, see pipeline.py), one row per setting.
 
 Every rate is checkpoint bytes read per second of wall time, so the loader is charged
 for everything it does (headers, plan, arena allocation, quantization, sealing). Per
@@ -33,7 +37,7 @@ import time
 
 import torch
 from weightcache_agent.loader import load_cache
-from weightcache_agent.pipeline import default_readers, default_workers
+from weightcache_agent.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES, default_readers, default_workers, direct_io_mode
 from weightcache_agent.spec import CacheSpec
 from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -159,7 +163,14 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--readers", default="auto",
                     help="comma-separated reader-thread counts to run the loads with ('auto': the loader's default)")
+    ap.add_argument("--direct", default=None,
+                    help=f"comma-separated {DIRECT_IO_ENV} settings to run the loads with ({', '.join(DIRECT_IO_MODES)}; "
+                         f"default: ${DIRECT_IO_ENV} or the loader's default, auto)")
     args = ap.parse_args()
+    directs = [d.strip().lower() for d in (args.direct or direct_io_mode()).split(",") if d.strip()]
+    for d in directs:
+        if d not in DIRECT_IO_MODES:
+            ap.error(f"--direct {d!r}: expected one of {', '.join(DIRECT_IO_MODES)}")
     path = checkpoint(args.dir, args.layers)
     paths = files(path)
     size = sum(os.path.getsize(p) for p in paths)
@@ -167,54 +178,64 @@ def main() -> None:
     buf = memoryview(bytearray(BUF))
     disk = Disk(paths[0])
     readers = [r.strip() for r in args.readers.split(",") if r.strip()]
-    saved = os.environ.get("WEIGHTCACHE_READERS")
-    env_auto = saved or str(default_readers())
+    saved = {k: os.environ.get(k) for k in ("WEIGHTCACHE_READERS", DIRECT_IO_ENV)}
+    env_auto = saved["WEIGHTCACHE_READERS"] or str(default_readers())
 
     def label(r: str) -> str:
         n = env_auto if r == "auto" else r
         return f"{n} reader{'s' if n != '1' else ''}" + (" (default)" if r == "auto" else "")
 
+    def name(q: str, r: str, d: str) -> str:
+        parts = [q] + ([f"direct {d}"] if len(directs) > 1 else []) + ([label(r)] if len(readers) > 1 else [])
+        return "cold load, " + ", ".join(parts)
+
     raw = Step("raw sequential read")
-    steps = {(r, q): Step(f"cold load, {q}, {label(r)}" if len(readers) > 1 else f"cold load, {q}")
-             for r in readers for q in ("none", "fp8-block")}
+    steps = {(r, d, q): Step(name(q, r, d)) for r in readers for d in directs for q in ("none", "fp8-block")}
     for trial in range(args.trials):
         line = []
         for r in readers:
             os.environ["WEIGHTCACHE_READERS"] = env_auto if r == "auto" else r
-            for q in ("none", "fp8-block"):
-                drop(paths)
-                base = measure(raw, disk, lambda: raw_read(paths, buf))
-                drop(paths)
-                rate = measure(steps[r, q], disk, lambda q=q: cold_load(path, q), base)
-                line.append(f"raw {base / 1e9:.2f} -> {q}/{os.environ['WEIGHTCACHE_READERS']}r {rate / 1e9:.2f} GB/s")
+            for d in directs:
+                os.environ[DIRECT_IO_ENV] = d
+                for q in ("none", "fp8-block"):
+                    drop(paths)
+                    base = measure(raw, disk, lambda: raw_read(paths, buf))
+                    drop(paths)
+                    rate = measure(steps[r, d, q], disk, lambda q=q: cold_load(path, q), base)
+                    line.append(f"raw {base / 1e9:.2f} -> {q}/{os.environ['WEIGHTCACHE_READERS']}r/direct {d} "
+                                f"{rate / 1e9:.2f} GB/s")
         print(f"trial {trial}: " + ", ".join(line), file=sys.stderr)
-    if saved is None:
-        os.environ.pop("WEIGHTCACHE_READERS", None)
-    else:
-        os.environ["WEIGHTCACHE_READERS"] = saved
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
     med_raw = statistics.median(raw.rates)
     print(f"\nmachine: {platform.machine()} {cpu_model()}, {len(os.sched_getaffinity(0))} cores, "
           f"Linux {platform.release()}, torch {torch.__version__}")
     print(f"checkpoint: {size / 2**30:.2f} GiB in {len(paths)} files, {mount_of(path)}"
           f"{f' (device {disk.name})' if disk.stat else ' (no block-device stats)'}; {args.trials} trials (median); "
-          f"loader: {env_auto} readers by default, {default_workers()} workers")
-    print(f"| {'step':42s} | {'GB/s':>5s} | {'min..max':>11s} | {'of raw':>6s} | {'paired':>6s} | "
+          f"loader: {env_auto} readers by default, {default_workers()} workers, {DIRECT_IO_ENV} "
+          f"{'/'.join(directs)}")
+    w = max(42, *(len(step.name) for step in steps.values()))
+    print(f"| {'step':{w}s} | {'GB/s':>5s} | {'min..max':>11s} | {'of raw':>6s} | {'paired':>6s} | "
           f"{'CPU s/GB':>8s} | {'disk busy':>9s} | {'qd':>4s} | {'arena':>9s} |")
-    print(f"| {'-' * 42} | {'-' * 4}:| {'-' * 10}:| {'-' * 5}:| {'-' * 5}:| {'-' * 7}:| {'-' * 8}:| {'-' * 3}:| {'-' * 8}:|")
+    print(f"| {'-' * w} | {'-' * 4}:| {'-' * 10}:| {'-' * 5}:| {'-' * 5}:| {'-' * 7}:| {'-' * 8}:| {'-' * 3}:| {'-' * 8}:|")
     for step in [raw, *steps.values()]:
         med = statistics.median(step.rates)
         paired = f"{statistics.median(step.paired):6.0%}" if step.paired else f"{'-':>6s}"
         busy = f"{statistics.median(step.busy):9.0%}" if step.busy else f"{'-':>9s}"
         depth = f"{statistics.median(step.depth):4.1f}" if step.depth else f"{'-':>4s}"
         arena = f"{step.arena / 2**30:.2f} GiB" if step.arena else "-"
-        print(f"| {step.name:42s} | {med / 1e9:5.2f} | {min(step.rates) / 1e9:4.2f}..{max(step.rates) / 1e9:5.2f} | "
+        print(f"| {step.name:{w}s} | {med / 1e9:5.2f} | {min(step.rates) / 1e9:4.2f}..{max(step.rates) / 1e9:5.2f} | "
               f"{med / med_raw:6.0%} | {paired} | {statistics.median(step.cpu):8.2f} | {busy} | {depth} | {arena:>9s} |")
     for r in readers:
-        fp = steps[r, "fp8-block"]
-        of_raw, paired = statistics.median(fp.rates) / med_raw, statistics.median(fp.paired)
-        verdict = "PASS" if min(of_raw, paired) >= 0.9 else "FAIL"
-        print(f"bar, {fp.name}: >= 90% of raw: {verdict} (of raw {of_raw:.0%}, paired {paired:.0%})")
+        for d in directs:
+            fp = steps[r, d, "fp8-block"]
+            of_raw, paired = statistics.median(fp.rates) / med_raw, statistics.median(fp.paired)
+            verdict = "PASS" if min(of_raw, paired) >= 0.9 else "FAIL"
+            print(f"bar, {fp.name}: >= 90% of raw: {verdict} (of raw {of_raw:.0%}, paired {paired:.0%})")
 
 
 def cpu_model() -> str:

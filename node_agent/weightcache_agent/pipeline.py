@@ -1,18 +1,54 @@
 """Fill an arena from disk with reading and transforming overlapped, so the disk never waits.
 
-Data flow (cpu backend, the arena a memfd):
+Data flow (cpu backend, the arena a memfd), with direct reads (the default for a cold file):
 
     jobs, in file order --> reader threads (2-4), each takes the next job
+      any job  --O_DIRECT preadv (disk -> staging buffer, DMA)--> queue --> worker(s)
+                                                                             |  plain: pwrite
+                          ^                                                  |  cast / fp8: compute, pwrite
+                          +--------------- buffer back to the pool ----------+--> arena slot(s)
+
+and with buffered reads (`WEIGHTCACHE_DIRECT_IO=off`, a file already in the page cache, a
+filesystem that refuses O_DIRECT):
+
       plain bytes  --sendfile: checkpoint page cache -> memfd pages, in the kernel----> arena slot
       cast / fp8   --preadv into a staging buffer--> queue --> worker(s) --pwrite--> arena slot(s)
-                          ^                                      |
-                          +-------- buffer back to the pool -----+
 
-Why several readers: each read is partly CPU work on the reading thread (the page-cache
-copy, allocating the destination pages, readahead bookkeeping). With one reader the disk
-idles while that thread is in the kernel copying; with a few readers taking consecutive
-jobs in file order, one request is always in flight while another thread copies, and the
-disk still sees one nearly sequential stream.
+Why O_DIRECT: a buffered read costs the reading thread CPU for every byte -- allocating
+page-cache pages, readahead bookkeeping, the copy out of the cache, and later reclaiming
+those pages (the weights would sit in memory twice: cache and arena). Measured on a
+2-core VM, sequential reads of a 4.45 GiB checkpoint: buffered ~0.5-2 core-s/GB (it
+swings with the host), O_DIRECT in 16 MiB requests 0.05-0.1. With O_DIRECT the readers
+only issue requests: each large read puts many requests in the disk queue at once, and
+the reader is back for the next job as soon as the DMA lands, so the disk is not left
+idle while a reader copies. The one copy left (staging -> arena, which also allocates
+the arena's pages) happens on the workers, in parallel with the next reads. The price:
+a direct load leaves the checkpoint out of the page cache, so loading the same files
+again reads the disk again.
+
+O_DIRECT wants file offsets, lengths and buffer addresses aligned (`ALIGN`); tensors
+start at arbitrary bytes. A job whose bytes are one range of the file (a whole tensor,
+a row slice) is read as its aligned superset straight into the (page-aligned) staging
+buffer, and the worker uses the slice at the returned offset: no extra copy. A job of
+several ranges (a column slice under tensor parallelism: part of every row) is read in
+aligned extents, through holes below `MAX_GAP`, into the reader's bounce buffer and
+gathered into staging, one strided copy per run of like ranges. Bytes the direct read
+did not deliver (the end of the file) are read buffered, which also finds where a
+truncated file ends, so its error is the one the buffered path gives.
+
+`WEIGHTCACHE_DIRECT_IO` (`direct_io_mode`): `off` reads buffered; `on` reads with
+O_DIRECT wherever the filesystem accepts it; `auto` (default) as `on`, for files on a
+block device only (network and FUSE filesystems keep the kernel's readahead), and only
+for jobs whose pages are not already in the page cache (`mincore`): re-reading cached
+bytes from the disk would be slower than copying them. A filesystem that refuses
+O_DIRECT (EINVAL, on open or on a read) is read buffered, logged at debug.
+
+Why several readers: with buffered reads each read is partly CPU work on the reading
+thread; with one reader the disk idles while that thread is in the kernel copying; with
+a few readers taking consecutive jobs in file order, one request is always in flight
+while another thread copies, and the disk still sees one nearly sequential stream.
+With direct reads, two readers already keep a request in flight while the other hands
+its buffer over and takes the next one.
 
 Why sendfile / pwrite into the memfd rather than writes through its mapping: a store
 through a mapping faults each fresh shmem page in, and the kernel zeroes it before the
@@ -31,17 +67,20 @@ its slot (and its scale rows into the scale slot). The pool bounds memory and is
 back-pressure: readers block only when every worker is behind.
 
 Without an fd (a plain writable buffer, or `fd=None`), readers preadv straight into the
-buffer and workers write through it, with `reserve(offset, length)` -- when given --
-allocating pages on its own thread ahead of the writers (`_Reservations`).
+buffer (workers copy direct reads into it) and workers write through it, with
+`reserve(offset, length)` -- when given -- allocating pages on its own thread ahead of
+the writers (`_Reservations`).
 
 Only the segments of this rank's shard are read (see `sharding.Shard.segments`).
-The GPU path (cuda_fill.py) uses `_Reader.read`, `_rows`, `_rows_per_piece` and
-`STAGING_BYTES` from here with one reader thread of its own.
+The GPU path (cuda_fill.py) uses `_Reader.read` (buffered), `_rows`, `_rows_per_piece`
+and `STAGING_BYTES` from here with one reader thread of its own.
 """
 from __future__ import annotations
 
 import bisect
+import ctypes
 import errno
+import logging
 import mmap
 import os
 import queue
@@ -60,11 +99,24 @@ from .sharding import Segment
 if TYPE_CHECKING:
     from .loader import LoadProgress, PlannedTensor
 
+log = logging.getLogger(__name__)
+
 STAGING_BYTES = 32 * 1024 * 1024
 READ_CHUNK = 64 * 1024 * 1024  # most bytes one preadv / sendfile call asks for
 JOB_BYTES = 16 * 1024 * 1024  # a plain tensor is handed to readers in jobs of this size
 RESERVE_CHUNK = 64 * 1024 * 1024
 MAX_READERS = 4
+
+DIRECT_IO_ENV = "WEIGHTCACHE_DIRECT_IO"
+DIRECT_IO_MODES = ("auto", "on", "off")
+# O_DIRECT alignment of file offsets, lengths and buffer addresses: a page covers every
+# common logical block size (512, 4096), and mmap'd buffers are page-aligned
+ALIGN = 4096
+# a direct read of a column slice reads through holes this small between its ranges: one
+# large request beats one request per row, and the disk reads the hole's sectors anyway
+MAX_GAP = 1024 * 1024
+# auto: a job with more than this share of its pages in the page cache is read buffered
+CACHED_SHARE = 1 / 8
 
 
 class _Reservations:
@@ -128,10 +180,15 @@ class _LockedProgress:
 
 @dataclass
 class _Piece:
+    """What a reader hands a worker: rows [lo, hi) of a tensor to transform, or (`plain`) shard
+    bytes [lo, hi) of a plain tensor read with O_DIRECT, at `skip` in `staging`."""
+
     item: "PlannedTensor"
-    row0: int
-    row1: int
-    staging: Any  # mmap the rows were read into
+    lo: int
+    hi: int
+    staging: Any  # mmap the bytes were read into
+    skip: int = 0
+    plain: bool = False
 
 
 @dataclass
@@ -149,29 +206,147 @@ class _Job:
     count: int  # jobs of this tensor (to count it done when its last one is)
 
 
-class _Reader:
-    """Reads of shard segments (preadv into memory, or sendfile into an fd), with the truncation check.
+def direct_io_mode() -> str:
+    """`WEIGHTCACHE_DIRECT_IO`: auto (default), on or off (see the module docstring)."""
+    mode = os.environ.get(DIRECT_IO_ENV, "").strip().lower() or "auto"
+    if mode not in DIRECT_IO_MODES:
+        raise ValueError(f"{DIRECT_IO_ENV}={mode!r}: expected one of {', '.join(DIRECT_IO_MODES)}")
+    return mode
 
-    `fds` (path -> descriptor), when given, is shared with other readers and closed by
-    the caller; `lock` then guards opening.
+
+def _down(n: int) -> int:
+    return n // ALIGN * ALIGN
+
+
+def _up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long)
+_libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+_libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+def _cached_share(fd: int, start: int, length: int) -> float:
+    """Share of the pages of file bytes [start, start + length) that are in the page cache.
+
+    mincore on a mapping of the range that is never touched reports the file's page cache
+    (every kernel; cachestat would need 6.5). 0 where it cannot tell: the caller then reads
+    as if cold.
+    """
+    page = mmap.PAGESIZE
+    lo = start // page * page
+    size = -(-(start + length - lo) // page) * page
+    addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, lo)
+    if addr is None or addr == _MAP_FAILED:
+        return 0.0
+    try:
+        vec = ctypes.create_string_buffer(size // page)
+        if _libc.mincore(addr, size, vec) != 0:
+            return 0.0
+        raw = vec.raw
+        return (len(raw) - raw.count(0)) / len(raw)
+    finally:
+        _libc.munmap(addr, size)
+
+
+def _on_block_device(path: str) -> bool:
+    """Whether `path` lives on a local block device (not NFS, FUSE, tmpfs, overlay: anonymous devices)."""
+    dev = os.stat(path).st_dev
+    return os.path.exists(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+
+
+class _Refused(Exception):
+    """The filesystem accepted O_DIRECT on open but refused an aligned read (EINVAL)."""
+
+
+class _Files:
+    """The checkpoint files' descriptors, shared by all readers and closed by `close`.
+
+    One buffered descriptor per file: positional reads need no shared position, and one
+    readahead state sees the readers' consecutive jobs as the one sequential stream they
+    are. One O_DIRECT descriptor per file, opened when a job first asks for it (`direct`):
+    None where the mode, the filesystem or a refused read says to read the file buffered.
     """
 
-    def __init__(self, progress: Any, fds: dict[str, int] | None = None, lock: Any = None):
-        self.progress = progress
-        self.owns = fds is None
-        self.fds: dict[str, int] = {} if fds is None else fds
-        self.lock = lock or threading.Lock()
+    def __init__(self, mode: str = "off"):
+        self.mode = mode
+        self.buffered: dict[str, int] = {}
+        self.direct_fds: dict[str, int | None] = {}
+        self.opened: list[int] = []
+        self.lock = threading.Lock()
 
     def fd(self, path: str) -> int:
-        fd = self.fds.get(path)
+        fd = self.buffered.get(path)
         if fd is None:
             with self.lock:
-                fd = self.fds.get(path)
+                fd = self.buffered.get(path)
                 if fd is None:
                     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                    self.fds[path] = fd
+                    self.buffered[path] = fd
         return fd
+
+    def direct(self, path: str, start: int, end: int) -> int | None:
+        """The O_DIRECT descriptor to read file bytes [start, end) of `path` with, or None: read them buffered."""
+        if self.mode == "off":
+            return None
+        if path not in self.direct_fds:
+            with self.lock:
+                if path not in self.direct_fds:
+                    self.direct_fds[path] = self._open_direct(path)
+        fd = self.direct_fds[path]
+        if fd is None or self.mode == "on":
+            return fd
+        return None if _cached_share(self.fd(path), start, end - start) > CACHED_SHARE else fd
+
+    def _open_direct(self, path: str) -> int | None:
+        try:
+            if self.mode == "auto" and not _on_block_device(path):
+                log.debug("%s: not on a block device: read buffered", path)
+                return None
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+        except OSError as e:  # EINVAL: the filesystem refuses O_DIRECT; others: the buffered open reports them
+            log.debug("%s: no O_DIRECT (%s): read buffered", path, e.strerror)
+            return None
+        self.opened.append(fd)
+        return fd
+
+    def refuse(self, path: str, e: OSError) -> None:
+        log.debug("%s: O_DIRECT read refused (%s): read buffered from now on", path, e.strerror)
+        self.direct_fds[path] = None  # its descriptor stays open: another reader may be using it
+
+    def close(self) -> None:
+        for fd in [*self.buffered.values(), *self.opened]:
+            os.close(fd)
+        self.buffered.clear()
+        self.direct_fds.clear()
+        self.opened.clear()
+
+
+class _Reader:
+    """Reads of shard segments (preadv into memory, buffered or O_DIRECT, or sendfile into an
+    fd), with the truncation check.
+
+    `files`, when given, is shared with other readers and closed by the caller. `bounce_bytes`:
+    the buffer that direct reads of several ranges go through. `direct_bytes` /
+    `buffered_bytes` count what this reader read each way.
+    """
+
+    def __init__(self, progress: Any, files: _Files | None = None, bounce_bytes: int = STAGING_BYTES + 2 * ALIGN):
+        self.progress = progress
+        self.owns = files is None
+        self.files = _Files() if files is None else files
+        self.bounce_bytes = bounce_bytes
+        self.bounce: mmap.mmap | None = None  # made on the first job of several ranges
+        self.direct_bytes = 0
+        self.buffered_bytes = 0
+
+    def fd(self, path: str) -> int:
+        return self.files.fd(path)
 
     def _ranges(self, segments: list[Segment], lo: int, hi: int) -> Iterator[tuple[int, int, int]]:
         """(file position, offset from lo, length) of the shard bytes [lo, hi), segment by segment."""
@@ -192,7 +367,7 @@ class _Reader:
         )
 
     def read(self, item: "PlannedTensor", segments: list[Segment], lo: int, hi: int, dest: memoryview) -> None:
-        """Read bytes [lo, hi) of the shard (source dtype, slot order) into `dest[0 : hi - lo]`."""
+        """Read bytes [lo, hi) of the shard (source dtype, slot order) into `dest[0 : hi - lo]`, buffered."""
         fd = self.fd(item.source.file)
         for pos, at, length in self._ranges(segments, lo, hi):
             out = dest[at : at + length]
@@ -203,6 +378,79 @@ class _Reader:
                     raise self._truncated(item, pos + done)
                 done += n
             self.progress.advance(length)
+            self.buffered_bytes += length
+
+    def direct(self, item: "PlannedTensor", segments: list[Segment], lo: int, hi: int) -> int | None:
+        """The O_DIRECT descriptor to read shard bytes [lo, hi) with, or None: read them buffered."""
+        if self.files.mode == "off":
+            return None
+        ranges = list(self._ranges(segments, lo, hi))
+        if not ranges:
+            return None
+        (first, _, _), (last, _, length) = ranges[0], ranges[-1]
+        return self.files.direct(item.source.file, first, last + length)
+
+    def read_direct(self, fd: int, item: "PlannedTensor", segments: list[Segment], lo: int, hi: int,
+                    staging: mmap.mmap) -> int:
+        """Read shard bytes [lo, hi) into `staging` (page-aligned, `_up(hi - lo) + ALIGN` bytes or
+        more) with the O_DIRECT descriptor `fd`; returns the offset in `staging` of byte lo.
+
+        One range: its aligned superset straight into `staging`. Several: aligned extents
+        through the bounce buffer, gathered to offset 0 (module docstring). If the
+        filesystem refuses the read after all, the job is read buffered to offset 0.
+        """
+        ranges = list(self._ranges(segments, lo, hi))
+        try:
+            if len(ranges) == 1:
+                pos, _, _ = ranges[0]
+                self._extent(fd, item, ranges, memoryview(staging), _down(pos))
+                skip = pos - _down(pos)
+            else:
+                if self.bounce is None:
+                    self.bounce = mmap.mmap(-1, self.bounce_bytes)
+                src = torch.frombuffer(self.bounce, dtype=torch.uint8)
+                dest = torch.frombuffer(staging, dtype=torch.uint8, count=hi - lo)
+                for extent in _extents(ranges, len(self.bounce)):
+                    start = _down(extent[0][0])
+                    self._extent(fd, item, extent, memoryview(self.bounce), start)
+                    _gather(src, start, extent, dest)
+                skip = 0
+        except _Refused as e:
+            self.files.refuse(item.source.file, e.__cause__)
+            self.read(item, segments, lo, hi, memoryview(staging)[: hi - lo])
+            return 0
+        self.progress.advance(hi - lo)
+        self.direct_bytes += hi - lo
+        return skip
+
+    def _extent(self, fd: int, item: "PlannedTensor", ranges: list[tuple[int, int, int]], buf: memoryview,
+                start: int) -> None:
+        """File bytes [start, end of the last range) into `buf`, with O_DIRECT from the aligned
+        `start`; what that leaves out (the end of the file) buffered, which finds a truncation."""
+        last, _, length = ranges[-1]
+        need = last + length - start
+        got = 0
+        try:
+            while got < need:
+                n = os.preadv(fd, [buf[got : min(_up(need), got + READ_CHUNK)]], start + got)
+                got += max(n, 0)
+                if n <= 0 or n % ALIGN:  # a partial block comes only at the end of the file (and
+                    break  # a read from there would be unaligned)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise _Refused() from e
+        if got >= need:
+            return
+        plain = self.fd(item.source.file)
+        while got < need:
+            n = os.preadv(plain, [buf[got:need]], start + got)
+            if n <= 0:
+                # where the buffered reads of the ranges would have stopped: the first range
+                # the file does not hold, at its start or at the end of the file
+                end = start + got
+                raise self._truncated(item, next(max(p, end) for p, _, k in ranges if p + k > end))
+            got += n
 
     def send(self, item: "PlannedTensor", segments: list[Segment], lo: int, hi: int, out_fd: int, out_at: int) -> None:
         """Copy bytes [lo, hi) of the shard into `out_fd` at `out_at`, inside the kernel (sendfile).
@@ -222,13 +470,57 @@ class _Reader:
                     raise self._truncated(item, pos + done)
                 done += n
             self.progress.advance(length)
+            self.buffered_bytes += length
 
     def close(self) -> None:
-        if not self.owns:
-            return
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        if self.bounce is not None:
+            _close(self.bounce)
+            self.bounce = None
+        if self.owns:
+            self.files.close()
+
+
+def _extents(ranges: list[tuple[int, int, int]], cap: int) -> Iterator[list[tuple[int, int, int]]]:
+    """`ranges` grouped into direct reads of at most `cap` aligned bytes, each spanning holes of
+    at most MAX_GAP; a range too long for one read is cut into several. A shard's ranges come in
+    file order (`Shard.segments`), so an extent is the span from its first range to its last."""
+    most = cap - 2 * ALIGN  # a range this long fits `cap` from any start, once aligned at both ends
+    extent: list[tuple[int, int, int]] = []
+    start = 0
+    for pos, at, length in ranges:
+        for off in range(0, length, most):
+            p, n = pos + off, min(most, length - off)
+            if extent and (p - (extent[-1][0] + extent[-1][2]) > MAX_GAP or _up(p + n) - start > cap):
+                yield extent
+                extent = []
+            if not extent:
+                start = _down(p)
+            extent.append((p, at + off, n))
+    if extent:
+        yield extent
+
+
+def _gather(src: torch.Tensor, start: int, ranges: list[tuple[int, int, int]], dest: torch.Tensor) -> None:
+    """Copy each range (file position, offset in dest, length) out of `src` (file bytes from
+    `start`) into `dest`: one strided copy per run of equal ranges at a constant stride (the
+    rows of a column slice), so the reader holds the GIL for a few calls, not one per row."""
+    i = 0
+    while i < len(ranges):
+        pos, at, length = ranges[i]
+        stride = ranges[i + 1][0] - pos if i + 1 < len(ranges) else length
+        j = i + 1
+        while j < len(ranges) and ranges[j][2] == length and ranges[j][0] - ranges[j - 1][0] == stride:
+            j += 1
+        n = j - i
+        dest[at : at + n * length].view(n, length).copy_(src.as_strided((n, length), (stride, 1), pos - start))
+        i = j
+
+
+def _close(buf: mmap.mmap) -> None:
+    try:
+        buf.close()
+    except BufferError:  # still viewed from the traceback of a failed read: freed with it
+        pass
 
 
 def _write_error(e: OSError, item: "PlannedTensor", nbytes: int) -> Exception:
@@ -253,10 +545,12 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     writes allocate the pages. Without it, `buffer` (a writable view of the whole arena)
     is written directly, and `reserve(offset, length)`, when given, allocates its pages on
     a thread ahead of the writers. `readers`: reader threads (default `default_readers()`).
+    Reads are direct or buffered as `direct_io_mode()` says.
     """
     slots = {slot.name: slot for slot in layout.slots}
     workers = workers or default_workers()
     readers = max(1, readers or default_readers())
+    files = _Files(direct_io_mode())
     if fd is not None:
         try:
             os.close(_own_fd(fd))
@@ -265,20 +559,19 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     if fd is not None:
         reserve = None
     progress_ = _LockedProgress(progress)
+    # room for an O_DIRECT read's aligned superset of staging_bytes from any file offset
+    pooled = _up(staging_bytes) + ALIGN
     pool: queue.Queue = queue.Queue()
     # one per worker, one per reader being read into, one spare so readers run ahead
     for _ in range(workers + readers + 1):
-        pool.put(mmap.mmap(-1, staging_bytes))
+        pool.put(mmap.mmap(-1, pooled))
     work: queue.Queue = queue.Queue()
     errors: list[BaseException] = []
     remaining: dict[str, int] = {}
     lock = threading.Lock()
     reserved = _Reservations(reserve, layout.size)
     jobs = _jobs(plan, slots, staging_bytes)
-    # one descriptor per checkpoint file for all readers (opened under `lock`): positional reads
-    # need no shared position, and one readahead state per file sees the readers' consecutive
-    # jobs as the one sequential stream they are, so the kernel keeps reading ahead of them all
-    shared_fds: dict[str, int] = {}
+    all_readers: list[_Reader] = []  # for the count of bytes read each way
 
     def finish(item: "PlannedTensor") -> None:
         with lock:
@@ -295,7 +588,8 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
             return job
 
     def read_loop() -> None:
-        reader = _Reader(progress_, shared_fds, lock)
+        reader = _Reader(progress_, files, pooled)
+        all_readers.append(reader)
         out_fd = _own_fd(fd) if fd is not None else None
         try:
             while not errors:
@@ -303,27 +597,30 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                 if job is None:
                     return
                 reserved.wait(job.end)
-                if not job.piece:
+                row_bytes = _rows(job.item)[0] if job.piece else 1
+                lo, hi = job.lo * row_bytes, job.hi * row_bytes
+                direct = reader.direct(job.item, job.segments, lo, hi)
+                if direct is None and not job.piece:
                     if out_fd is not None:
-                        reader.send(job.item, job.segments, job.lo, job.hi, out_fd, job.slot.offset + job.lo)
+                        reader.send(job.item, job.segments, lo, hi, out_fd, job.slot.offset + lo)
                     else:
-                        dest = buffer[job.slot.offset + job.lo : job.slot.offset + job.hi]
-                        reader.read(job.item, job.segments, job.lo, job.hi, dest)
+                        reader.read(job.item, job.segments, lo, hi, buffer[job.slot.offset + lo : job.slot.offset + hi])
                     finish(job.item)
                     continue
-                row_bytes, _ = _rows(job.item)
-                need = (job.hi - job.lo) * row_bytes
-                staging = pool.get() if need <= staging_bytes else mmap.mmap(-1, need)
+                staging = pool.get() if hi - lo <= staging_bytes else mmap.mmap(-1, _up(hi - lo) + ALIGN)
                 try:
                     if errors:  # a worker failed while we waited: stop reading
                         raise _Stop
-                    reader.read(job.item, job.segments, job.lo * row_bytes, job.hi * row_bytes,
-                                memoryview(staging)[:need])
+                    if direct is None:
+                        reader.read(job.item, job.segments, lo, hi, memoryview(staging)[: hi - lo])
+                        skip = 0
+                    else:
+                        skip = reader.read_direct(direct, job.item, job.segments, lo, hi, staging)
                 except BaseException:
-                    if len(staging) == staging_bytes:
+                    if len(staging) == pooled:
                         pool.put(staging)
                     raise
-                work.put(_Piece(job.item, job.lo, job.hi, staging))
+                work.put(_Piece(job.item, job.lo, job.hi, staging, skip, not job.piece))
         except _Stop:
             pass
         except BaseException as e:  # the other threads see it and stop; re-raised below
@@ -342,12 +639,15 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                 return
             try:
                 if not errors:
-                    _transform(piece, buffer, slots, fd, scratch)
+                    if piece.plain:
+                        _store(piece, buffer, slots, fd)
+                    else:
+                        _transform(piece, buffer, slots, fd, scratch)
                     finish(piece.item)
             except BaseException as e:  # handed to the readers, which stop; re-raised below
                 errors.append(e)
             finally:
-                if len(piece.staging) == staging_bytes:  # one-off oversized buffers are just dropped
+                if len(piece.staging) == pooled:  # one-off oversized buffers are just dropped
                     pool.put(piece.staging)
 
     worker_threads = [threading.Thread(target=work_loop, name=f"load-worker-{k}", daemon=True) for k in range(workers)]
@@ -367,12 +667,13 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
             if t.ident is not None:
                 t.join()
         reserved.close()
-        for shared in shared_fds.values():
-            os.close(shared)
+        files.close()
         while not pool.empty():
-            pool.get().close()
+            _close(pool.get())
     if errors:
         raise errors[0]
+    log.debug("read %d bytes with O_DIRECT, %d buffered (%s=%s)", sum(r.direct_bytes for r in all_readers),
+              sum(r.buffered_bytes for r in all_readers), DIRECT_IO_ENV, files.mode)
 
 
 class _Stop(Exception):
@@ -380,8 +681,9 @@ class _Stop(Exception):
 
 
 def _jobs(plan: list["PlannedTensor"], slots: dict[str, TensorSlot], staging_bytes: int) -> Iterator[_Job]:
-    """The plan as reader jobs, in file order (plain tensors in JOB_BYTES, others in staging-sized
-    pieces of whole rows)."""
+    """The plan as reader jobs, in file order (plain tensors in JOB_BYTES, or less to fit a
+    staging buffer for a direct read; others in staging-sized pieces of whole rows)."""
+    job_bytes = min(JOB_BYTES, staging_bytes)
     for item in plan:
         if item.source is None:  # made by a worker (fp8 scales)
             continue
@@ -390,9 +692,9 @@ def _jobs(plan: list["PlannedTensor"], slots: dict[str, TensorSlot], staging_byt
         end = slot.offset + slot.nbytes
         if item.transform == "read" or item.shard.nbytes == 0:
             total = item.shard.nbytes
-            bounds = list(range(0, total, JOB_BYTES)) or [0]
+            bounds = list(range(0, total, job_bytes)) or [0]
             for lo in bounds:
-                hi = min(total, lo + JOB_BYTES)
+                hi = min(total, lo + job_bytes)
                 yield _Job(item, segments, slot, lo, hi, False, slot.offset + hi, len(bounds))
             continue
         if item.transform == "fp8":
@@ -465,6 +767,18 @@ def _pwrite(fd: int, data: memoryview, offset: int, item: "PlannedTensor") -> No
             raise _write_error(e, item, len(data) - done) from None
 
 
+def _store(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], fd: int | None) -> None:
+    """Put the bytes of a plain piece into its slot: pwrite into the memfd, or copy through `buffer`."""
+    item = piece.item
+    at = slots[item.name].offset + piece.lo
+    n = piece.hi - piece.lo
+    if fd is not None:
+        _pwrite(fd, memoryview(piece.staging)[piece.skip : piece.skip + n], at, item)
+    else:  # a torch copy: releases the GIL, where a memoryview assignment would hold it
+        torch.frombuffer(buffer, dtype=torch.uint8, count=n, offset=at).copy_(
+            torch.frombuffer(piece.staging, dtype=torch.uint8, count=n, offset=piece.skip))
+
+
 def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], fd: int | None = None,
                scratch: _Scratch | None = None) -> None:
     """Turn one piece into its final bytes: into `buffer` directly, or (with `fd`) into
@@ -472,16 +786,17 @@ def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], 
     item = piece.item
     slot = slots[item.name]
     row_bytes, _ = _rows(item)
-    n = piece.row1 - piece.row0
+    n = piece.hi - piece.lo
     src_bytes = n * row_bytes
-    src = torch.frombuffer(piece.staging, dtype=item.source.dtype, count=src_bytes // item.source.dtype.itemsize)
+    src = torch.frombuffer(piece.staging, dtype=item.source.dtype, count=src_bytes // item.source.dtype.itemsize,
+                           offset=piece.skip)
     out_row = row_bytes // item.source.dtype.itemsize * item.dtype.itemsize
-    lo = slot.offset + piece.row0 * out_row
+    lo = slot.offset + piece.lo * out_row
     out_bytes = n * out_row
     if item.transform == "fp8":
         scale_slot = slots[fp8.scale_name(item.name)]
         s_cols = scale_slot.shape[1]
-        s_row0, s_rows = piece.row0 // fp8.BLOCK, -(-n // fp8.BLOCK)
+        s_row0, s_rows = piece.lo // fp8.BLOCK, -(-n // fp8.BLOCK)
         s_lo, s_bytes = scale_slot.offset + s_row0 * s_cols * 4, s_rows * s_cols * 4
     if fd is None:
         out = torch.frombuffer(buffer, dtype=item.dtype, count=out_bytes // item.dtype.itemsize, offset=lo)
