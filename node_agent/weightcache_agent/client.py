@@ -66,8 +66,10 @@ class Attachment:
         self._arenas = arenas or []
         self._on_promote = on_promote
         self._closed = threading.Event()
+        self._watcher: threading.Thread | None = None
         if conn is not None:
-            threading.Thread(target=self._watch, name="weightcache-lease", daemon=True).start()
+            self._watcher = threading.Thread(target=self._watch, name="weightcache-lease", daemon=True)
+            self._watcher.start()
 
     def __repr__(self) -> str:
         return (f"Attachment(source={self.source!r}, role={self.role!r}, tensors={len(self.tensors)}, "
@@ -139,6 +141,11 @@ class Attachment:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+        # The watcher holds this attachment, and so possibly the last reference to its weights:
+        # let it finish here, not during interpreter shutdown, where freeing a CUDA mapping from
+        # a daemon thread aborts the process.
+        if self._watcher is not None and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=5)
 
     def __enter__(self) -> "Attachment":
         return self
