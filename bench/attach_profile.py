@@ -1,7 +1,7 @@
 """Where an attach spends its time: request, socket round trip, map, bind (and a profile).
 
 Starts an agent for a checkpoint of 2001 small tensors (Llama names, 222 layers), then
-attaches 12 times phase by phase -- binding alternately with the C extension and with the
+attaches 24 times phase by phase -- binding alternately with the C extension and with the
 pure-Python path -- prints the median of each phase, and profiles one whole `attach()`.
 Use it to see per-tensor costs on a machine: `python bench/attach_profile.py cpu`
 here, `PYTHONPATH=node_agent python3 bench/attach_profile.py cuda` on a GPU host.

@@ -1,8 +1,9 @@
 """The engine side: attach a meta-device module to cached weights, zero-copy.
 
 `attach()` is the one call an engine makes. In `client` mode it connects to the agent,
-sends its fingerprint fields and role, receives the manifest and the arena fd, maps the
-arena read-only, builds one strided view per tensor and rebinds the module onto them.
+sends its spec, its checkpoint's file signature and its role, receives the manifest and
+the arena fd, maps the arena read-only and binds the module's own parameters to one
+strided view per tensor (`rebind.bind_manifest`).
 The connection stays open as the lease; a background thread waits on it for a
 `promote` message (hot standby) or for the agent to go away (the weights stay mapped,
 the engine keeps serving). `off` mode runs the agent's own loader in-process; `daemon`
@@ -239,18 +240,14 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
     fds: list[int] = []
     try:
         conn.settimeout(timeout)
-        protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
-                                     "request": engine_request(spec)})
-        reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        reply, fds = _ask_attach(conn, role, group, engine_request(spec))
         if reply.get("type") == "error" and reply.get("code") == "revision_required":
             # Our files are not the very ones the agent read (a copy, another mount): compare content.
             path = conn.getpeername()
             conn.close()
             conn = _connect(path)
             conn.settimeout(timeout)
-            protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
-                                         "request": engine_request(spec, with_revision=True)})
-            reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+            reply, fds = _ask_attach(conn, role, group, engine_request(spec, with_revision=True))
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         _raise_on_error(reply, conn.getpeername())
@@ -269,6 +266,11 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote)
 
 
+def _ask_attach(conn: socketlib.socket, role: str, group: str | None, request: dict[str, Any]) -> tuple[dict, list[int]]:
+    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "request": request})
+    return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+
+
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     arena = manifest["arenas"][0]
@@ -283,9 +285,9 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
         raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
     try:
         return bind_manifest(module, base, manifest["tensors"], strict)
+    except AttachError:
+        raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
-        if isinstance(e, AttachError):
-            raise
         raise ProtocolError(f"malformed manifest: {e}") from None
 
 
