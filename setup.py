@@ -1,9 +1,15 @@
-"""Everything is in pyproject.toml except the optional C extension of the attach loop.
+"""Everything is in pyproject.toml except two optional C extensions: the attach loop
+(`_bindfast`) and the CPU block-FP8 quantizer (`_fp8cpu`).
 
-`optional=True`: without a C compiler the install still succeeds and attach uses its
-pure-Python path (same results, a few microseconds more per tensor).
+`optional=True`: without a C compiler the install still succeeds, and attach and the
+loader use their torch paths (same bytes, more time).
 """
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("weightcache_agent._bindfast", ["node_agent/weightcache_agent/_bindfast.c"],
-                             extra_compile_args=["-O2", "-Wall"], optional=True)])
+setup(ext_modules=[
+    Extension("weightcache_agent._bindfast", ["node_agent/weightcache_agent/_bindfast.c"],
+              extra_compile_args=["-O2", "-Wall"], optional=True),
+    Extension("weightcache_agent._fp8cpu", ["node_agent/weightcache_agent/_fp8cpu.c"],
+              # no FP traps: lets the compiler vectorise the conversion (it computes both rounding cases)
+              extra_compile_args=["-O3", "-fno-trapping-math", "-Wall"], optional=True),
+])

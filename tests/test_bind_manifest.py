@@ -5,9 +5,9 @@ which names the problems; either way the module ends up the same, or nothing is 
 """
 from __future__ import annotations
 
+import os
 import shutil
 import sysconfig
-import os
 
 import pytest
 import torch
@@ -55,11 +55,14 @@ def arena(extra: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = 
     return base, layout.to_manifest(), values
 
 
-def test_the_extension_is_built_where_a_compiler_exists():
+def test_the_extensions_are_built_where_a_compiler_exists():
+    from weightcache_agent import fp8
+
     if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(
             os.path.join(sysconfig.get_paths()["include"], "Python.h")):
-        pytest.skip("no C compiler or Python headers here: the pure-Python path serves")
-    assert _bindfast is not None, "setup.py's optional extension failed to build; see the pip install log"
+        pytest.skip("no C compiler or Python headers here: the pure-Python paths serve")
+    assert _bindfast is not None, "setup.py's optional _bindfast failed to build; see the pip install log"
+    assert fp8._fp8cpu is not None, "setup.py's optional _fp8cpu failed to build; see the pip install log"
 
 
 @pytest.mark.parametrize("native", PATHS)

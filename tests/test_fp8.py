@@ -148,3 +148,28 @@ def test_fingerprint_records_fp8_source(tmp_path):
     passthrough = load(prequantized(tmp_path), quantization="fp8-block")[0]
     assert on_load.fields["quantization_config"] != none.fields["quantization_config"]
     assert on_load.fields["quantization_config"] != passthrough.fields["quantization_config"]
+
+
+def test_the_c_quantizer_gives_the_torch_paths_bytes_for_every_bf16_value():
+    if fp8._fp8cpu is None:
+        pytest.skip("the _fp8cpu extension was not built (no C compiler): the torch path serves")
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = every[torch.isfinite(every.float())]
+    g = torch.Generator().manual_seed(3)
+    cases = [finite[: finite.numel() // 256 * 256].view(-1, 256),  # every finite value, blocks of mixed range
+             (torch.randn(300, 260, generator=g) * torch.logspace(-30, 30, 260, base=2.0)).bfloat16(),  # ragged
+             torch.zeros(5, 3, dtype=torch.bfloat16)]
+    for x in cases:
+        got = (torch.empty(x.shape, dtype=fp8.FP8), torch.empty(fp8.scale_shape(tuple(x.shape))))
+        want = (torch.empty(x.shape, dtype=fp8.FP8), torch.empty(fp8.scale_shape(tuple(x.shape))))
+        fp8.quantize_rows(x, *got)
+        fp8.quantize_rows(x, *want, native=False)
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_non_finite_values_are_refused_with_their_rows(native):
+    x = torch.randn(300, 140).bfloat16()
+    x[200, 5] = float("nan")
+    with pytest.raises(CheckpointError, match=r"tensor 'w': non-finite values in rows 128\.\.256"):
+        fp8.quantize_rows(x, torch.empty(300, 140, dtype=fp8.FP8), torch.empty(3, 2), "w", native=native)

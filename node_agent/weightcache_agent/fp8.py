@@ -12,7 +12,9 @@ is bf16 -> e4m3, and the relative error is that of e4m3 itself (the same as with
 exact amax/448 scale for every value not in the subnormal range). It is also what
 makes this fast on a CPU: for bf16 input the block maximum comes from the int16 bits
 (|x| orders like its bits), and the scaling multiply writes fp8 directly -- two passes
-over cache-sized groups of 128 rows, with nothing allocated per element.
+over cache-sized groups of 128 rows, with nothing allocated per element. The optional C
+extension `_fp8cpu` runs those two passes vectorised and without the GIL; the torch path
+is the reference it is tested against, bit for bit.
 """
 from __future__ import annotations
 
@@ -27,6 +29,11 @@ from .quantization import check_quantization
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint
+
+try:
+    from . import _fp8cpu
+except ImportError:  # built without a C compiler: the torch path gives the same bytes
+    _fp8cpu = None
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -52,12 +59,23 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
 
 
-def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, name: str = "?") -> None:
+def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, name: str = "?",
+                  native: bool = True) -> None:
     """Quantize `src` [R, C] into `out` (fp8, [R, C]) and `scale` (fp32, [ceil(R/128), ceil(C/128)]).
 
     `src` is a whole number of 128-row blocks of the weight (the last one may be short).
+    bf16 on the CPU goes through the `_fp8cpu` C extension where it was built (same bytes,
+    ~2.5x faster per core, and without the GIL); `native=False` forces the torch path.
     """
     rows, cols = src.shape
+    if native and _fp8cpu is not None and _plain_cpu(src, torch.bfloat16) and _plain_cpu(out, FP8) \
+            and _plain_cpu(scale, torch.float32) and tuple(out.shape) == (rows, cols) \
+            and tuple(scale.shape) == scale_shape((rows, cols)):
+        bad = _fp8cpu.quantize_bf16(src.data_ptr(), out.data_ptr(), scale.data_ptr(), rows, cols)
+        if bad >= 0:
+            raise CheckpointError(
+                f"tensor {name!r}: non-finite values in rows {bad}..{min(bad + BLOCK, rows)}; cannot quantize")
+        return
     full = cols // BLOCK * BLOCK
     # one scratch row group for the |x| bits, reused: a fresh allocation per group would
     # page-fault its way through memory and cost more than the arithmetic
@@ -77,6 +95,10 @@ def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, nam
         if full < cols:
             tail = g[:, full:] if g.dtype == torch.bfloat16 else g[:, full:].float()
             torch.mul(tail, inv[-1], out=o[:, full:])
+
+
+def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
 def _block_amax(g: torch.Tensor, full: int, name: str, row: int, scratch: torch.Tensor | None) -> torch.Tensor:
