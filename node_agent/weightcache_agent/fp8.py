@@ -70,7 +70,7 @@ def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, nam
     rows, cols = src.shape
     if native and _fp8cpu is not None and _plain_cpu(src, torch.bfloat16) and _plain_cpu(out, FP8) \
             and _plain_cpu(scale, torch.float32) and tuple(out.shape) == (rows, cols) \
-            and tuple(scale.shape) == scale_shape((rows, cols)):
+            and tuple(scale.shape) == scale_shape((rows, cols)) and cols <= 1 << 20:  # its per-row buffers
         bad = _fp8cpu.quantize_bf16(src.data_ptr(), out.data_ptr(), scale.data_ptr(), rows, cols)
         if bad >= 0:
             raise CheckpointError(
