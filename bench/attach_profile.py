@@ -22,10 +22,9 @@ import torch
 
 from weightcache_agent import CacheSpec, agent_status, attach, protocol
 from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.client import _connect
+from weightcache_agent.client import _connect, map_arena
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.fingerprint import engine_request
-from weightcache_agent.cpu_arena import map_readonly
 from weightcache_agent.rebind import _bindfast, bind_manifest
 from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
@@ -66,13 +65,7 @@ def main() -> int:
                                          "request": request})
             reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
             t2 = time.perf_counter()
-            arena = reply["arenas"][0]
-            if args.backend == "cuda":
-                from weightcache_agent.cuda_arena import map_readonly_cuda
-
-                base = map_readonly_cuda(fds[0], arena["size"], arena["device"])
-            else:
-                base = map_readonly(fds[0], arena["size"])
+            base = map_arena(reply, fds)
             t3 = time.perf_counter()
             bind_manifest(module, base, reply["tensors"], native=native)
             t4 = time.perf_counter()

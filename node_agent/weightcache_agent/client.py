@@ -271,18 +271,22 @@ def _ask_attach(conn: socketlib.socket, role: str, group: str | None, request: d
     return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
 
 
-def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
-    """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
+def map_arena(manifest: dict[str, Any], fds: list[int]) -> torch.Tensor:
+    """The agent's arena (from a manifest reply and its fds), mapped read-only as one uint8 tensor."""
     arena = manifest["arenas"][0]
     backend = manifest.get("backend", "cpu")
     if backend == "cpu":
-        base = map_readonly(fds[0], arena["size"])
-    elif backend == "cuda":
+        return map_readonly(fds[0], arena["size"])
+    if backend == "cuda":
         from .cuda_arena import map_readonly_cuda
 
-        base = map_readonly_cuda(fds[0], arena["size"], arena["device"])
-    else:
-        raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
+        return map_readonly_cuda(fds[0], arena["size"], arena["device"])
+    raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
+
+
+def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+    """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
+    base = map_arena(manifest, fds)
     try:
         return bind_manifest(module, base, manifest["tensors"], strict)
     except AttachError:
