@@ -7,9 +7,9 @@ loader use their torch paths (same bytes, more time).
 from setuptools import Extension, setup
 
 setup(ext_modules=[
-    Extension("weightcache_agent._bindfast", ["node_agent/weightcache_agent/_bindfast.c"],
+    Extension("weightcache_agent.client._bindfast", ["node_agent/weightcache_agent/client/_bindfast.c"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
-    Extension("weightcache_agent._fp8cpu", ["node_agent/weightcache_agent/_fp8cpu.c"],
+    Extension("weightcache_agent.load._fp8cpu", ["node_agent/weightcache_agent/load/_fp8cpu.c"],
               # no FP traps: lets the compiler vectorise the conversion (it computes both rounding cases)
               extra_compile_args=["-O3", "-fno-trapping-math", "-Wall"], optional=True),
 ])

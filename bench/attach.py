@@ -23,12 +23,12 @@ import torch
 from safetensors.torch import load_file
 
 from weightcache_agent import CacheSpec, agent_status, attach
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.cpu_arena import map_readonly
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.arena.cpu import map_readonly
 from weightcache_agent.errors import AgentUnavailable
-from weightcache_agent.loader import load_cache
-from weightcache_agent.rebind import manifest_views, rebind
-from weightcache_agent.synthetic import skeleton_module, write_checkpoint
+from weightcache_agent.load.loader import load_cache
+from weightcache_agent.client.rebind import manifest_views, rebind
+from weightcache_agent.testing.synthetic import skeleton_module, write_checkpoint
 
 
 def make_checkpoint(directory: str, gib: float, count: int) -> str:
@@ -123,8 +123,8 @@ def main() -> int:
     size = ckpt.nbytes / 2**30
     print(f"\n{size:.2f} GiB, {n} tensors, torch {torch.__version__}, {os.cpu_count()} cpus; medians of "
           f"{len(base)} / 1 / {len(attaches)} / {len(rebinds)} runs\n")
-    print(f"| step | time | vs baseline |")
-    print(f"| --- | ---: | ---: |")
+    print("| step | time | vs baseline |")
+    print("| --- | ---: | ---: |")
     print(f"| (a) baseline: load_file + load_state_dict | {b * 1e3:.1f} ms | 1.0x |")
     print(f"| (b) agent cold load (process start to ready, warm page cache) | {cold * 1e3:.1f} ms | {b / cold:.2f}x |")
     print(f"| (c) attach incl. rebind (client mode) | {a * 1e3:.2f} ms (p90 {sorted(attaches)[int(0.9 * len(attaches))] * 1e3:.2f}) | **{b / a:.0f}x faster** |")

@@ -21,12 +21,12 @@ import time
 import torch
 
 from weightcache_agent import CacheSpec, agent_status, attach, protocol
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.client import _connect, map_arena
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.client.session import _connect, map_arena
 from weightcache_agent.errors import AgentUnavailable
-from weightcache_agent.fingerprint import engine_request
-from weightcache_agent.rebind import _bindfast, bind_manifest
-from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
+from weightcache_agent.load.fingerprint import engine_request
+from weightcache_agent.client.rebind import _bindfast, bind_manifest
+from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 
 def main() -> int:

@@ -12,7 +12,7 @@ paired with the raw read just before it, so a disk whose rate drifts between tri
 VM's virtual disk, a shared host) is compared with itself. The raw read is always a
 buffered sequential preadv (the baseline issue 3 defines); `--direct` sets the loader's
 WEIGHTCACHE_DIRECT_IO (off: buffered reads and sendfile; on / auto: O_DIRECT reads of
-the cold files, see pipeline.py), one row per setting.
+the cold files, see load/pipeline.py), one row per setting.
 
 Every rate is checkpoint bytes read per second of wall time, so the loader is charged
 for everything it does (headers, plan, arena allocation, quantization, sealing). Per
@@ -36,10 +36,10 @@ import sys
 import time
 
 import torch
-from weightcache_agent.loader import load_cache
-from weightcache_agent.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES, default_readers, default_workers, direct_io_mode
+from weightcache_agent.load.loader import load_cache
+from weightcache_agent.load.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES, default_readers, default_workers, direct_io_mode
 from weightcache_agent.spec import CacheSpec
-from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 BUF = 64 * 1024 * 1024
 

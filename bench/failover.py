@@ -27,8 +27,8 @@ import time
 
 import torch
 
-from weightcache_agent.demo import Console, default_cache_dir, ensure_checkpoint
-from weightcache_agent.process_group import EngineChild, ProcessGroup
+from weightcache_agent.engine.demo import Console, default_cache_dir, ensure_checkpoint
+from weightcache_agent.serve.process_group import EngineChild, ProcessGroup
 
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204]
 GROUP = "bench"

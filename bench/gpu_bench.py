@@ -28,9 +28,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 
 from weightcache_agent import agent_status  # noqa: E402
-from weightcache_agent.checkpoint import open_checkpoint  # noqa: E402
+from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
 from weightcache_agent.errors import AgentUnavailable  # noqa: E402
-from weightcache_agent.synthetic import LlamaShape, skeleton_module  # noqa: E402
+from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
 
 def make_checkpoint(directory: str, gib: float, min_tensors: int) -> str:
@@ -137,8 +137,8 @@ ENGINE = r"""
 import json, sys, time, torch
 sys.path.insert(0, sys.argv[4])
 from weightcache_agent import CacheSpec, attach
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.synthetic import skeleton_module
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.synthetic import skeleton_module
 model, sock, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.cuda.init(); torch.empty(1, device="cuda")  # every engine pays for its CUDA context; not timed
 ck = open_checkpoint(model)
@@ -163,8 +163,8 @@ if sys.stdin.readline():  # keep the last attachment until told
 IPC_CONSUMER = r"""
 import pickle, sys, time, torch, json
 sys.path.insert(0, sys.argv[2])
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.synthetic import skeleton_module
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.synthetic import skeleton_module
 torch.cuda.init(); torch.empty(1, device="cuda")
 ck = open_checkpoint(sys.argv[1])
 module = skeleton_module({n: (r.shape, r.dtype) for n, r in ck.tensors.items()})

@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,uuid,memory.total,driver_version --format=csv | tee 
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
 # The attach loop's C extension (setup.py): the machine's python3 has no pip install of ours.
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
-python3 -c "from weightcache_agent.rebind import _bindfast; print('C extension:', 'built' if _bindfast else 'NOT built')" | tee -a "$OUT/gpu.txt"
+python3 -c "from weightcache_agent.client.rebind import _bindfast; print('C extension:', 'built' if _bindfast else 'NOT built')" | tee -a "$OUT/gpu.txt"
 python3 bench/attach_profile.py cuda > "$OUT/attach_profile.log" 2>&1; head -2 "$OUT/attach_profile.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}

@@ -14,8 +14,8 @@ from typing import Callable, Iterator
 
 import pytest
 
-from weightcache_agent.process_group import EngineChild, ProcessGroup
-from weightcache_agent.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint
+from weightcache_agent.serve.process_group import EngineChild, ProcessGroup
+from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint
 
 # Small enough that a process attaches and warms up in well under a second on 2 cores.
 SMALL_LLAMA = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,

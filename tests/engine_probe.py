@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from weightcache_agent import CacheSpec, attach
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.synthetic import skeleton_module
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.synthetic import skeleton_module
 
 
 def rss_anon() -> int:

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from weightcache_agent.cpu_arena import map_readonly
-from weightcache_agent.loader import LoadedCache, load_cache
+from weightcache_agent.arena.cpu import map_readonly
+from weightcache_agent.load.loader import LoadedCache, load_cache
 from weightcache_agent.spec import CacheSpec
 
 

@@ -11,7 +11,7 @@ import os
 import pytest
 import yaml
 
-from weightcache_agent.agent_main import build_parser
+from weightcache_agent.serve.agent_main import build_parser
 from weightcache_agent.spec import CacheSpec
 from weightcache_operator.config import OperatorConfig
 from weightcache_operator.manifests import AGENT_HTTP_PORT, render_daemonset, socket_dir

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from weightcache_agent.errors import AttachError
-from weightcache_agent.layout import lay_out
-from weightcache_agent.rebind import _bindfast, bind_manifest
+from weightcache_agent.load.layout import lay_out
+from weightcache_agent.client.rebind import _bindfast, bind_manifest
 
 PATHS = [pytest.param(True, id="C"), pytest.param(False, id="python")]
 
@@ -56,7 +56,7 @@ def arena(extra: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = 
 
 
 def test_the_extensions_are_built_where_a_compiler_exists():
-    from weightcache_agent import fp8
+    from weightcache_agent.load import fp8
 
     if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(
             os.path.join(sysconfig.get_paths()["include"], "Python.h")):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from agent_fixtures import AgentProcess
-from weightcache_agent import fp8
-from weightcache_agent.cuda_fill import quantize_blocks
-from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.load import fp8
+from weightcache_agent.load.cuda_fill import quantize_blocks
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 
 def _has_cuda() -> bool:
@@ -57,8 +57,8 @@ def test_vectorised_quantizer_flags_non_finite_values():
 ENGINE = textwrap.dedent("""
     import json, os, sys, time, torch
     from weightcache_agent import CacheSpec, attach
-    from weightcache_agent.checkpoint import open_checkpoint
-    from weightcache_agent.synthetic import skeleton_module
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
     model, sock, quant = sys.argv[1], sys.argv[2], sys.argv[3]
     ck = open_checkpoint(model)
     dtype_of = lambda n, r: torch.float8_e4m3fn if quant == "fp8-block" and n.endswith("_proj.weight") else r.dtype
@@ -193,8 +193,8 @@ def test_200_attach_detach_cycles_leave_no_memory_or_fds(gpu_model, tmp_path):
     script = textwrap.dedent(f"""
         import gc, json, os, torch
         from weightcache_agent import CacheSpec, attach
-        from weightcache_agent.checkpoint import open_checkpoint
-        from weightcache_agent.synthetic import skeleton_module
+        from weightcache_agent.load.checkpoint import open_checkpoint
+        from weightcache_agent.testing.synthetic import skeleton_module
         ck = open_checkpoint({gpu_model!r})
         def once():
             m = skeleton_module({{n: (r.shape, r.dtype) for n, r in ck.tensors.items()}})

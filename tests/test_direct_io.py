@@ -21,12 +21,12 @@ import tempfile
 import pytest
 import torch
 
-from weightcache_agent.cpu_arena import map_readonly
+from weightcache_agent.arena.cpu import map_readonly
 from weightcache_agent.errors import CheckpointError, OutOfMemory
-from weightcache_agent.loader import LoadProgress, new_cpu_arena, prepare_cache
-from weightcache_agent.pipeline import _gather, fill_arena
+from weightcache_agent.load.loader import LoadProgress, new_cpu_arena, prepare_cache
+from weightcache_agent.load.pipeline import _gather, fill_arena
 from weightcache_agent.spec import CacheSpec
-from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 # hidden 328: rows of 656 bytes, q_proj 215168 bytes, k/v 53792: nothing a multiple of 4096;
 # tp=2 splits o_proj / down_proj by columns, so every row of the rank's slice is its own range
@@ -143,7 +143,7 @@ def fill(model: str, mode: str, monkeypatch, staging_bytes: int = SMALL_STAGING,
 
 def read_counts(caplog) -> tuple[int, int]:
     """(direct, buffered) bytes of the last fill, from the pipeline's debug line."""
-    lines = [r.getMessage() for r in caplog.records if r.name == "weightcache_agent.pipeline"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "weightcache_agent.load.pipeline"]
     found = [re.match(r"read (\d+) bytes with O_DIRECT, (\d+) buffered", m) for m in lines]
     direct, buffered = [m for m in found if m][-1].groups()
     return int(direct), int(buffered)
@@ -156,7 +156,7 @@ def shard_bytes(model: str, **spec) -> int:
 @pytest.mark.parametrize("quantization", ["none", "fp8-block"])
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_direct_reads_give_the_same_arena(model, monkeypatch, caplog, quantization, tp_size):
-    caplog.set_level(logging.DEBUG, logger="weightcache_agent.pipeline")
+    caplog.set_level(logging.DEBUG, logger="weightcache_agent.load.pipeline")
     for rank in range(tp_size):
         spec = dict(quantization=quantization, tp_size=tp_size, tp_rank=rank)
         buffered = fill(model, "off", monkeypatch, **spec)
@@ -177,7 +177,7 @@ def test_direct_reads_without_a_memfd(model, monkeypatch):
 
 
 def test_direct_reads_bypass_the_page_cache_and_auto_uses_what_is_cached(model, monkeypatch, caplog):
-    caplog.set_level(logging.DEBUG, logger="weightcache_agent.pipeline")
+    caplog.set_level(logging.DEBUG, logger="weightcache_agent.load.pipeline")
     total = shard_bytes(model)
     drop_page_cache(model)
     reference = fill(model, "on", monkeypatch)

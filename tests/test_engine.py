@@ -14,11 +14,11 @@ import torch
 
 from engine_fixtures import PROMPT, llama_checkpoint, module_supervisor, qwen2_checkpoint, readyz  # noqa: F401
 from weightcache_agent import CacheSpec
-from weightcache_agent.engine import load_model
+from weightcache_agent.engine.server import load_model
 from weightcache_agent.errors import CheckpointError
-from weightcache_agent.loader import load_cache
-from weightcache_agent.model import Fp8BlockLinear
-from weightcache_agent.process_group import http_json
+from weightcache_agent.load.loader import load_cache
+from weightcache_agent.engine.model import Fp8BlockLinear
+from weightcache_agent.serve.process_group import http_json
 
 
 @pytest.fixture(scope="module")

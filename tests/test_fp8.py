@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from loader_fixtures import full_tensors, load
-from weightcache_agent import fp8
+from weightcache_agent.load import fp8
 from weightcache_agent.errors import CheckpointError, UnsupportedQuantization
-from weightcache_agent.synthetic import LlamaShape, llama_tensors, qwen2_shape, write_checkpoint, write_llama_checkpoint
-from weightcache_agent.synthetic_moe import MoeShape, fp8_config, moe_tensors, prequantize
+from weightcache_agent.testing.synthetic import LlamaShape, llama_tensors, qwen2_shape, write_checkpoint, write_llama_checkpoint
+from weightcache_agent.testing.synthetic_moe import MoeShape, fp8_config, moe_tensors, prequantize
 
 
 def rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:

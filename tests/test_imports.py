@@ -23,7 +23,7 @@ def run(blocked: set[str], code: str) -> subprocess.CompletedProcess:
 def test_engine_client_imports_without_kopf_or_kubernetes():
     proc = run({"kopf", "kubernetes"}, """
         from weightcache_agent import CacheSpec, attach
-        import weightcache_agent.agent, weightcache_agent.loader, weightcache_agent.engine
+        import weightcache_agent.serve.agent, weightcache_agent.load.loader, weightcache_agent.engine.server
         print("ok", CacheSpec(model="/m").tp_size)
     """)
     assert proc.returncode == 0, proc.stderr

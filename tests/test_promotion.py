@@ -12,7 +12,7 @@ import pytest
 
 from engine_fixtures import PROMPT, llama_checkpoint, module_supervisor, readyz, wait_until  # noqa: F401
 from weightcache_agent import CacheSpec, WeightCacheError
-from weightcache_agent.engine import load_model
+from weightcache_agent.engine.server import load_model
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 
 from agent_fixtures import AgentProcess, Probe, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
-from weightcache_agent.checkpoint import open_checkpoint
-from weightcache_agent.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +138,7 @@ def test_client_killed_mid_attach(model, agent, bystander):
     script = textwrap.dedent(f"""
         import os, signal, socket
         from weightcache_agent import protocol
-        from weightcache_agent.fingerprint import engine_request
+        from weightcache_agent.load.fingerprint import engine_request
         from weightcache_agent.spec import CacheSpec
         request = engine_request(CacheSpec(model={model!r}))
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -168,7 +168,7 @@ def test_a_status_connection_may_ask_repeatedly(agent):
 def test_files_the_agent_read_are_vouched_for_by_signature_a_copy_must_send_its_revision(model, agent, tmp_path):
     import shutil
 
-    from weightcache_agent.fingerprint import engine_request
+    from weightcache_agent.load.fingerprint import engine_request
 
     def ask(request: dict) -> dict:
         s = raw(agent)

@@ -6,7 +6,7 @@ import time
 import pytest
 
 from agent_fixtures import AgentProcess, Probe, wait_for
-from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from weightcache_agent.errors import AttachError
-from weightcache_agent.rebind import rebind
+from weightcache_agent.client.rebind import rebind
 
 
 class Tied(nn.Module):

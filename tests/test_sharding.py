@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from loader_fixtures import full_tensors, load, ranks
-from weightcache_agent.checkpoint import open_checkpoint
+from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.errors import CheckpointError
-from weightcache_agent.fingerprint import fingerprint_fields
-from weightcache_agent.loader import plan_tensors
+from weightcache_agent.load.fingerprint import fingerprint_fields
+from weightcache_agent.load.loader import plan_tensors
 from weightcache_agent.spec import CacheSpec
-from weightcache_agent.synthetic import LlamaShape, llama_tensors, qwen2_shape, write_checkpoint, write_llama_checkpoint
-from weightcache_agent.synthetic_moe import MoeShape, write_moe_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, llama_tensors, qwen2_shape, write_checkpoint, write_llama_checkpoint
+from weightcache_agent.testing.synthetic_moe import MoeShape, write_moe_checkpoint
 
 # Expected split dim per tensor name, written out independently of the presets.
 DENSE_DIMS = [

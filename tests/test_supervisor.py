@@ -23,11 +23,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from weightcache_agent import CacheSpec, agent_status
-from weightcache_agent.agent_http import AgentHTTPServer, AgentMetrics
-from weightcache_agent.devices import Device
-from weightcache_agent.engine import load_model
-from weightcache_agent.supervisor import NodeConfig, NodeSupervisor, Worker, failure_message, node_phase
-from weightcache_agent.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.serve.agent_http import AgentHTTPServer, AgentMetrics
+from weightcache_agent.arena.devices import Device
+from weightcache_agent.engine.server import load_model
+from weightcache_agent.serve.supervisor import NodeConfig, NodeSupervisor, Worker, failure_message, node_phase
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=1024)
@@ -388,7 +388,7 @@ def test_cuda_node_sockets_named_by_gpu_uuid(model, workdir):
     """What the DaemonSet runs (`--backend auto --devices all`), on every GPU this machine has."""
     import torch
 
-    from weightcache_agent.devices import cuda_devices
+    from weightcache_agent.arena.devices import cuda_devices
 
     gpus = len(cuda_devices())
     uuids = [d.uuid for d in cuda_devices()]

@@ -3,6 +3,17 @@
 The engine-facing API is `CacheSpec` + `attach`. Names are resolved lazily (PEP 562):
 importing the package costs nothing, so `weightcache operator` and `weightcache status`
 never import torch, and nothing here ever imports kopf or kubernetes.
+
+Layers, lowest first; a module imports only from layers below its own (and its own
+subpackage), which `tests/test_layers.py` checks:
+  base      errors, spec, quantization, protocol, logs   what every process shares
+  arena     cpu (memfd), cuda (VMM), devices             the memory weights live in
+  load      checkpoint -> shard -> quantize -> arena     the cold path, and the fingerprint
+  client    session (attach), rebind                     what an engine imports
+  serve     agent, supervisor, HTTP, process groups      the node agent's processes
+  testing   synthetic checkpoints                        for tests and the demo
+  engine    reference engine, model, demo                a user of all of the above
+  cli       `weightcache` subcommands                    the entry points
 """
 from __future__ import annotations
 
@@ -10,9 +21,9 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "Attachment": "client",
-    "agent_status": "client",
-    "attach": "client",
+    "Attachment": "client.session",
+    "agent_status": "protocol",
+    "attach": "client.session",
     "CacheSpec": "spec",
     "AgentUnavailable": "errors",
     "AttachError": "errors",

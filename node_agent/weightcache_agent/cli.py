@@ -23,13 +23,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "agent":
-        from .agent_main import main as run
+        from .serve.agent_main import main as run
     elif command == "status":
-        from .status_cli import main as run
+        from .serve.status_cli import main as run
     elif command == "engine":
-        from .engine_main import main as run
+        from .engine.main import main as run
     elif command == "demo":
-        from .demo import main as run
+        from .engine.demo import main as run
     elif command == "operator":
         from weightcache_operator.cli import main as run
     else:

@@ -15,6 +15,9 @@ Messages (client -> agent):
       -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
       offers the arena it still maps; a restarted agent adopts it instead of reading the disk.
 Errors: {"type": "error", "code": str, "message": str, ...}.
+
+`connect` and `agent_status` are the smallest client: the status request that the CLI,
+the node supervisor and the engine all make, with nothing of attach behind it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import socket
 import struct
 from typing import Any
 
-from .errors import ProtocolError
+from .errors import AgentUnavailable, ProtocolError, WeightCacheError
 
 MAGIC = b"WCAP"
 PROTOCOL_VERSION = 2  # 2: manifest forms table, file signature in attach requests
@@ -131,3 +134,35 @@ def peer_pid(sock: socket.socket) -> int | None:
         return pid or None
     except OSError:
         return None
+
+
+def connect(path: str) -> socket.socket:
+    """A connection to the agent at `path`, or `AgentUnavailable` saying why not."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        conn.connect(path)
+    except OSError as e:
+        conn.close()
+        raise AgentUnavailable(f"no agent answers at {path}: {e.strerror or e}") from None
+    return conn
+
+
+def raise_on_error(reply: dict[str, Any], where: object) -> None:
+    if reply.get("type") == "error":
+        raise (AgentUnavailable if reply.get("code") == "load_failed" else WeightCacheError)(
+            f"agent at {where}: {reply.get('message')}")
+
+
+def agent_status(path: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The agent's status document (phase, fingerprint, bytes, tensors, clients, ...)."""
+    conn = connect(path)
+    try:
+        conn.settimeout(timeout)
+        send_message(conn, {"type": "status"})
+        reply, _ = recv_message(conn, MAX_REPLY_BYTES)
+        raise_on_error(reply, path)
+        return reply
+    except OSError as e:
+        raise AgentUnavailable(f"agent at {path} stopped answering: {e}") from None
+    finally:
+        conn.close()

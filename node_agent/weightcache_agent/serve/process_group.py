@@ -22,8 +22,8 @@ import time
 from typing import Any, Callable
 
 from .agent import remove_socket_files
-from .client import agent_status
-from .errors import AgentUnavailable
+from ..protocol import agent_status
+from ..errors import AgentUnavailable
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)  # looked up here: the child after fork only calls it

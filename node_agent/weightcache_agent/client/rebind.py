@@ -28,8 +28,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .checkpoint import dtype_from_name
-from .errors import AttachError
+from ..load.checkpoint import dtype_from_name
+from ..errors import AttachError
 
 try:
     from . import _bindfast

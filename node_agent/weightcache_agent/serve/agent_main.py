@@ -15,9 +15,9 @@ import signal
 import sys
 import threading
 
-from .errors import UnsupportedQuantization, WeightCacheError
-from .logs import configure
-from .spec import DTYPE_CHOICES, CacheSpec
+from ..errors import UnsupportedQuantization, WeightCacheError
+from ..logs import configure
+from ..spec import DTYPE_CHOICES, CacheSpec
 
 log = logging.getLogger("weightcache.agent")
 
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
 
 
 def _device(args: argparse.Namespace) -> "Device":
-    from .devices import Device, resolve_backend, select_devices
+    from ..arena.devices import Device, resolve_backend, select_devices
 
     backend = resolve_backend(args.backend)
     if backend == "cpu":

@@ -15,9 +15,9 @@ import signal
 import sys
 import threading
 
-from .errors import WeightCacheError
-from .logs import configure
-from .spec import DTYPE_CHOICES
+from ..errors import WeightCacheError
+from ..logs import configure
+from ..spec import DTYPE_CHOICES
 
 log = logging.getLogger("weightcache.engine")
 
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
 
     import torch  # after flag checks: a typo costs no torch import
 
-    from .engine import Engine, EngineOptions, make_server
+    from .server import Engine, EngineOptions, make_server
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import WeightCacheError
+from ..errors import WeightCacheError
 
 log = logging.getLogger("weightcache.demo")
 
@@ -101,7 +101,7 @@ def default_cache_dir() -> str:
 
 def ensure_checkpoint(cache_dir: str, size: str, console: Console) -> tuple[str, bool]:
     """The demo checkpoint for `size`, written once (atomically) and reused. Returns (dir, created)."""
-    from .synthetic import LlamaShape, write_llama_checkpoint  # imports torch
+    from ..testing.synthetic import LlamaShape, write_llama_checkpoint  # imports torch
 
     shape = LlamaShape(**SIZES[size].shape, max_position_embeddings=2048)
     target = os.path.join(cache_dir, f"llama-{size}")
@@ -173,7 +173,7 @@ def _progress_bar(console: Console, total: int) -> Any:
 
 
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from .process_group import ProcessGroup
+    from ..serve.process_group import ProcessGroup
 
     steps = 6
     console.say(console.style("weightcache demo", "1") + " - weights loaded once, attached in milliseconds, "
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     console.say()
     console.step(1, steps, "checkpoint")
     model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)
-    from .checkpoint import open_checkpoint
+    from ..load.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model_dir)
     nbytes = checkpoint.nbytes
@@ -194,8 +194,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     console.step(2, steps, "disk load in this process (what every engine restart pays without weightcache)")
     cold = drop_page_cache(model_dir)
-    from .engine import load_model
-    from .spec import CacheSpec
+    from .server import load_model
+    from ..spec import CacheSpec
 
     model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
     disk_seconds = attachment.seconds
@@ -361,7 +361,7 @@ def main(argv: list[str]) -> int:
         print(f"weightcache demo: {e}", file=sys.stderr)
         return 1
     except Exception as e:
-        from .process_group import ChildFailed
+        from ..serve.process_group import ChildFailed
 
         if isinstance(e, ChildFailed):
             print(f"weightcache demo: {e}", file=sys.stderr)

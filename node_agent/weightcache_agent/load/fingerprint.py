@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .checkpoint import Checkpoint, dtype_name
-from .spec import CacheSpec
+from ..spec import CacheSpec
 
 # Bump when the loader would place or transform bytes differently for the same inputs.
 LAYOUT_VERSION = 2  # 2: sharding plans, fp8-block with power-of-two scales

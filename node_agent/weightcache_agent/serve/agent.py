@@ -23,13 +23,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import protocol
-from .errors import ProtocolError, WeightCacheError
-from .fingerprint import RevisionRequired, differences, fields_for_request
-from .cpu_arena import CpuArena
-from .devices import Device
-from .loader import LoadedCache, LoadProgress, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
-from .spec import CacheSpec
+from .. import protocol
+from ..errors import ProtocolError, WeightCacheError
+from ..load.fingerprint import RevisionRequired, differences, fields_for_request
+from ..arena.cpu import CpuArena
+from ..arena.devices import Device
+from ..load.plan import LoadProgress
+from ..load.loader import LoadedCache, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
+from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class Agent:
             return "cpu"
         import torch
 
-        from .cuda_arena import granularity
+        from ..arena.cuda import granularity
 
         granularity(self.device.ordinal)  # creates the device's primary context
         major, minor = torch.cuda.get_device_capability(self.device.ordinal)
@@ -169,7 +170,7 @@ class Agent:
     def _new_arena(self, size: int, fd: int | None = None) -> Any:
         """A fresh arena for the prepared layout, or (with `fd`) one handed back by an engine."""
         if self.device.backend == "cuda":
-            from .cuda_arena import CudaArena
+            from ..arena.cuda import CudaArena
 
             return CudaArena(size, self.device.ordinal, self.device.uuid, fd=fd)
         if fd is not None:

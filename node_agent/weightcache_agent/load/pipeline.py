@@ -87,17 +87,15 @@ import queue
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from . import fp8
-from .errors import CheckpointError, OutOfMemory
+from ..errors import CheckpointError, OutOfMemory
 from .layout import ArenaLayout, TensorSlot
+from .plan import LoadProgress, PlannedTensor
 from .sharding import Segment
-
-if TYPE_CHECKING:
-    from .loader import LoadProgress, PlannedTensor
 
 log = logging.getLogger(__name__)
 

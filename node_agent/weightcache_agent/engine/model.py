@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import dtype_from_name
+from ..load.checkpoint import dtype_from_name
 
 FP8_BLOCK = 128  # block-wise FP8: one fp32 scale per 128x128 tile of a weight
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")

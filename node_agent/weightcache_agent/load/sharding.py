@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .checkpoint import Checkpoint, TensorRecord
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 MODES = ("column", "row", "vocab", "replicated")
 _DEFAULT_DIM = {"column": 0, "vocab": 0, "row": 1, "replicated": None}

@@ -23,13 +23,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from . import protocol
-from .cpu_arena import map_readonly
-from .errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
-from .fingerprint import differences, engine_request
-from .loader import load_cache
+from .. import protocol
+from ..arena.cpu import map_readonly
+from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
+from ..load.fingerprint import differences, engine_request
+from ..load.loader import load_cache
 from .rebind import bind_manifest
-from .spec import CacheSpec
+from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Attachment:
         while not self._closed.wait(delay):
             delay = min(delay * 2, 0.05)  # connecting to an absent socket is cheap; a quick rejoin is not
             try:
-                conn = _connect(self._socket)
+                conn = protocol.connect(self._socket)
             except AgentUnavailable:
                 continue
             try:
@@ -175,7 +175,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         if mode == "daemon":
             conn = _connect_or_start(socket, spec, timeout)
         else:
-            conn = _connect(socket)
+            conn = protocol.connect(socket)
         return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout)
     except (AgentUnavailable, FingerprintMismatch) as e:
         if not fallback:
@@ -184,34 +184,13 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         return _attach_from_disk(module, spec, strict)
 
 
-def agent_status(socket: str, timeout: float = 10.0) -> dict[str, Any]:
-    """The agent's status document (phase, fingerprint, bytes, tensors, clients, ...)."""
-    conn = _connect(socket)
-    try:
-        conn.settimeout(timeout)
-        protocol.send_message(conn, {"type": "status"})
-        reply, _ = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES)
-        _raise_on_error(reply, socket)
-        return reply
-    except OSError as e:
-        raise AgentUnavailable(f"agent at {socket} stopped answering: {e}") from None
-    finally:
-        conn.close()
 
 
-def _connect(path: str) -> socketlib.socket:
-    conn = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM | socketlib.SOCK_CLOEXEC)
-    try:
-        conn.connect(path)
-    except OSError as e:
-        conn.close()
-        raise AgentUnavailable(f"no agent answers at {path}: {e.strerror or e}") from None
-    return conn
 
 
 def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.socket:
     try:
-        return _connect(path)
+        return protocol.connect(path)
     except AgentUnavailable:
         pass
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -225,7 +204,7 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            return _connect(path)
+            return protocol.connect(path)
         except AgentUnavailable:
             code = proc.poll()
             if code not in (None, 3):  # 3: another agent won the race to this socket; wait for it
@@ -245,12 +224,12 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             # Our files are not the very ones the agent read (a copy, another mount): compare content.
             path = conn.getpeername()
             conn.close()
-            conn = _connect(path)
+            conn = protocol.connect(path)
             conn.settimeout(timeout)
             reply, fds = _ask_attach(conn, role, group, engine_request(spec, with_revision=True))
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
-        _raise_on_error(reply, conn.getpeername())
+        protocol.raise_on_error(reply, conn.getpeername())
         if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
             raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
         tensors = _bind_over(reply, fds, module, strict)
@@ -278,7 +257,7 @@ def map_arena(manifest: dict[str, Any], fds: list[int]) -> torch.Tensor:
     if backend == "cpu":
         return map_readonly(fds[0], arena["size"])
     if backend == "cuda":
-        from .cuda_arena import map_readonly_cuda
+        from ..arena.cuda import map_readonly_cuda
 
         return map_readonly_cuda(fds[0], arena["size"], arena["device"])
     raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
@@ -307,10 +286,6 @@ def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool) -> Attac
                       tensors=tensors, seconds=time.perf_counter() - started, layout_hash=loaded.layout.layout_hash)
 
 
-def _raise_on_error(reply: dict[str, Any], where: object) -> None:
-    if reply.get("type") == "error":
-        raise (AgentUnavailable if reply.get("code") == "load_failed" else WeightCacheError)(
-            f"agent at {where}: {reply.get('message')}")
 
 
 def _tail(path: str, lines: int = 5) -> str:

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import fp8
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .layout import ArenaLayout
+from .plan import LoadProgress, PlannedTensor
 from .pipeline import STAGING_BYTES, _Reader, _rows, _rows_per_piece
 
 if TYPE_CHECKING:
-    from .cuda_arena import CudaArena
-    from .loader import LoadProgress, PlannedTensor
+    from ..arena.cuda import CudaArena
 
 STAGING_BUFFERS = 4
 

@@ -12,7 +12,7 @@ a worker's parent-death signal fires when the *thread* that forked it exits):
         process exited?  -> classify the exit status: crash -> restart with backoff;
                             1 (checkpoint/memory said no) -> Failed, slow retry;
                             2 (refused spec) -> Failed for good
-        alive?           -> ask its socket for status (`client.agent_status`), keep it,
+        alive?           -> ask its socket for status (`protocol.agent_status`), keep it,
                             hand new attach latencies to the metrics; a worker that
                             stops answering is Unresponsive, then killed and restarted
     -> build one node status document (`snapshot()`), swapped in atomically
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 from .agent import remove_socket_files
-from .client import agent_status
-from .devices import Device, resolve_backend, select_devices
-from .errors import WeightCacheError
+from ..protocol import agent_status
+from ..arena.devices import Device, resolve_backend, select_devices
+from ..errors import WeightCacheError
 from .process_group import die_with_parent
 
 log = logging.getLogger("weightcache.supervisor")

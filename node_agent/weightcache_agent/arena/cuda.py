@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .errors import OutOfMemory, WeightCacheError
+from ..errors import OutOfMemory, WeightCacheError
 
 log = logging.getLogger(__name__)
 

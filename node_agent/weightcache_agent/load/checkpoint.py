@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own cap on the JSON header: a larger length is corruption, not a model.

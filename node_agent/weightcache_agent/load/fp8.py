@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CheckpointError, UnsupportedQuantization
-from .quantization import check_quantization
+from ..errors import CheckpointError, UnsupportedQuantization
+from ..quantization import check_quantization
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpoint

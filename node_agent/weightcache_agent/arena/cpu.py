@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .errors import OutOfMemory
+from ..errors import OutOfMemory
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range in writable without touching it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -91,7 +91,7 @@ class CpuArena:
         when mapped, fault them in writable so the writer does not take one fault per page.
 
         For writers through the mapping only: faulting in zeroes every page, which a write into
-        the fd (sendfile, pwrite) does not need (see pipeline.py)."""
+        the fd (sendfile, pwrite) does not need (see load/pipeline.py)."""
         try:
             os.posix_fallocate(self.fd, offset, length)
         except OSError as e:

@@ -26,11 +26,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-from .client import Attachment, attach
-from .checkpoint import dtype_from_name, open_checkpoint
-from .fingerprint import resolved_dtype
+from ..client.session import Attachment, attach
+from ..load.checkpoint import dtype_from_name, open_checkpoint
+from ..load.fingerprint import resolved_dtype
 from .model import CausalLM, ModelConfig, build_model
-from .spec import CacheSpec
+from ..spec import CacheSpec
 
 log = logging.getLogger("weightcache.engine")
 
@@ -91,8 +91,8 @@ def _prepare_device(socket: str | None) -> None:
     the weights; paid first, the attach time measures the weights alone. An agent that
     does not answer is left to `attach` to report (or fall back from).
     """
-    from .client import agent_status
-    from .errors import WeightCacheError
+    from ..protocol import agent_status
+    from ..errors import WeightCacheError
 
     try:
         status = agent_status(socket) if socket else {}
@@ -102,7 +102,7 @@ def _prepare_device(socket: str | None) -> None:
         return
     import torch
 
-    from .devices import local_ordinal
+    from ..arena.devices import local_ordinal
 
     ordinal = local_ordinal(status["device"])
     torch.cuda.set_device(ordinal)

@@ -6,8 +6,8 @@ import datetime
 import json
 import sys
 
-from .client import agent_status
-from .errors import WeightCacheError
+from ..protocol import agent_status
+from ..errors import WeightCacheError
 
 
 def main(argv: list[str]) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import fp8
+from ..load import fp8
 from .synthetic import write_checkpoint
 
 FAMILIES = ("mixtral", "qwen_moe", "deepseek")
