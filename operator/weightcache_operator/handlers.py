@@ -44,6 +44,8 @@ from kubernetes.client.exceptions import ApiException
 from . import API_GROUP, API_VERSION, PLURAL
 from .agents import fetch_all, select_agent_pods
 from .conditions import Desired, merge, transitions
+from .engineset import EngineSetReconciler
+from .engineset import register as register_engineset
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
@@ -303,15 +305,17 @@ def build_registry(
     kubeconfig: str | None = None,
     context: str | None = None,
 ) -> tuple[kopf.OperatorRegistry, Reconciler]:
-    """All handlers of the operator, on a fresh registry (no module-level state)."""
+    """All handlers of the operator (WeightCache and EngineSet), on a fresh registry (no module-level state)."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(config)
+    engines = EngineSetReconciler(config)
     resource = (API_GROUP, API_VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
         cfg = load_client_configuration(kubeconfig, context)
         old, reconciler.api = reconciler.api, KubeApi(cfg)
+        engines.api = reconciler.api
         if old is not None:
             old.close()
         logger.info(f"logged in to {cfg.host}")
@@ -346,4 +350,5 @@ def build_registry(
         # create/resume reconcile right away; the first poll can wait a little.
         initial_delay=min(5.0, config.poll_interval),
     )(poll)
+    register_engineset(registry, engines, config)
     return registry, reconciler
