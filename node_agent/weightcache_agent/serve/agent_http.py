@@ -4,7 +4,8 @@
     GET /readyz   200 once every rank on the node is loaded (readiness), else 503
     GET /status   the node status document (supervisor.NodeSupervisor.snapshot) as JSON
     GET /metrics  Prometheus text exposition from a registry of our own
-    POST /switchover  {"group", "toPod"}: a planned switchover on every rank of the group;
+    POST /switchover  {"group", "toPod"}: a planned switchover on every rank of the group (toPod
+                  null: demote only, the new primary is another agent's engine);
                   only with `Authorization: Bearer <control token>`, and only when a token is set
 
 Every handler reads the supervisor's last published document; none waits on a worker,
@@ -46,7 +47,7 @@ class StatusSource(Protocol):
 
     def healthy(self) -> tuple[bool, str]: ...
 
-    def switchover(self, group: str, to_pod: str) -> dict[str, Any]: ...
+    def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]: ...
 
 
 class AgentMetrics:
@@ -213,8 +214,8 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError(f"Content-Length must be 1..{MAX_POST_BYTES}")
             body = json.loads(self.rfile.read(length))
             group, to_pod = body.get("group"), body.get("toPod")
-            if not all(isinstance(v, str) and 0 < len(v) <= 2 * MAX_NAME + 1 for v in (group, to_pod)):
-                raise ValueError("body must be {\"group\": string, \"toPod\": string}")
+            if not all(isinstance(v, str) and 0 < len(v) <= 2 * MAX_NAME + 1 for v in (group, to_pod or "-")):
+                raise ValueError("body must be {\"group\": string, \"toPod\": string or null (demote only)}")
         except (ValueError, AttributeError) as e:
             self._json(400, {"error": f"bad switchover request: {e}"}, True)
             return

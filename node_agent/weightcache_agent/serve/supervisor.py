@@ -454,7 +454,7 @@ class NodeSupervisor:
             "ranks": ranks,
         }
 
-    def switchover(self, group: str, to_pod: str) -> dict[str, Any]:
+    def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]:
         """A planned switchover of `group` on every rank whose engines hold its leases, in rank order."""
         holders = sorted((w for w in self.workers if any(
             lease.get("group") == group for lease in (w.status or {}).get("clients") or [])), key=lambda w: w.rank)

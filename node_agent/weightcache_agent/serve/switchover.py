@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--to-pod", help="the standby's pod name")
     target.add_argument("--to-pid", type=int, help="the standby engine's pid")
+    target.add_argument("--demote-only", action="store_true",
+                        help="demote the primary, promote none here (another agent's engine took over)")
     p.add_argument("--json", action="store_true", help="print the agents' replies as JSON")
     args = p.parse_args(argv)
     try:
@@ -88,8 +90,8 @@ def main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     elif result["ok"]:
-        print(f"group {args.group}: {args.to_pod or args.to_pid} is primary on {len(sockets)} rank(s) "
-              f"in {result['seconds'] * 1e3:.1f} ms")
+        print(f"group {args.group}: {args.to_pod or args.to_pid or 'no engine here'} is primary on {len(sockets)} "
+              f"rank(s) in {result['seconds'] * 1e3:.1f} ms")
     else:
         print(f"weightcache switchover: group {args.group}: {result['message']}", file=sys.stderr)
     return 0 if result["ok"] else 1
