@@ -123,9 +123,8 @@ async def operator(kmock: Any) -> AsyncIterator[None]:
                         settings=build_settings(), timeout=30)
     runner.__enter__()
     try:
-        # kopf lists, then watches; an EngineSet created after the list is in the watch.
-        await wait_for(lambda: requests_of(kmock, "GET", "enginesets")[before:], timeout=20,
-                       what="kopf's list of enginesets")
+        await wait_for(lambda: any(r.params.get("watch") for r in requests_of(kmock, "GET", "enginesets")[before:]),
+                       timeout=30, what="kopf's watch on enginesets")
         yield
     finally:
         await asyncio.to_thread(runner.__exit__, None, None, None)
