@@ -39,8 +39,10 @@ INFO, WARNING, ERROR = 1, 2, 3
 
 def test_chart_crds_are_byte_identical_to_the_source() -> None:
     copies = sorted(p.name for p in (CHART / "crds").iterdir())
-    assert copies == [CRD_PATH.name]
-    assert (CHART / "crds" / CRD_PATH.name).read_bytes() == CRD_PATH.read_bytes()
+    sources = sorted(p.name for p in CRD_PATH.parent.glob("*.yaml"))
+    assert copies == sources == ["weightcache.io_enginesets.yaml", "weightcache.io_weightcaches.yaml"]
+    for name in sources:
+        assert (CHART / "crds" / name).read_bytes() == (CRD_PATH.parent / name).read_bytes(), name
 
 
 def test_values_schema_accepts_the_defaults() -> None:
