@@ -222,6 +222,18 @@ async def test_engineset_places_groups_follows_the_agent_and_replaces_pods(clust
             assert len(requests_of(kmock, "POST", "resourceclaims")) == 2
             assert len(requests_of(kmock, "POST", "services")) == 1
 
+            # Scale down (as kubectl scale would, through spec.replicas): group 1 goes, group 0 stays.
+            await cluster.patch(ES_RESOURCE, "default", "chat", {"metadata": {"generation": 2}, "spec": {"replicas": 1}})
+            await wait_for(lambda: pod(kmock, "chat-1-0") is None and pod(kmock, "chat-1-1") is None
+                           and get_object(kmock, CLAIM_RESOURCE, "default", "chat-1") is None, what="group 1 removed")
+            deletes = requests_of(kmock, "DELETE", "pods")
+            assert {r.name for r in deletes if r.name.startswith("chat-1-")} == {"chat-1-0", "chat-1-1"}
+            # Deletes name the incarnation they mean (a replacement of that name is never hit).
+            assert all((r.data or {}).get("preconditions", {}).get("uid") for r in deletes if r.name == "chat-1-0")
+            assert pod(kmock, "chat-0-0") and pod(kmock, "chat-0-1") and serving(kmock, "chat-0-1") == "true"
+            es = await wait_for(lambda: (e := es_of(kmock, "chat"))["status"].get("replicas") == 1 and e)
+            assert [g["index"] for g in es["status"]["groups"]] == [0]
+
 
 async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: KubeClient, kmock: Any) -> None:
     with AgentServer(node_status("node-a")) as a:
