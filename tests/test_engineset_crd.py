@@ -13,7 +13,6 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-
 from operator_fixtures import CRD_PATH, example_documents
 from test_crd import CEL, apply_defaults, cel_violations, walk
 from weightcache_operator.engineset_spec import parse_engineset

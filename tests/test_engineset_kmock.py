@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from kopf.testing import KopfRunner
-
 from operator_fixtures import (
     POD_RESOURCE,
     WC_RESOURCE,

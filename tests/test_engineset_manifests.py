@@ -15,7 +15,6 @@ from typing import Any
 import celpy
 import kubernetes_validate
 import pytest
-
 from weightcache_operator.config import OperatorConfig
 from weightcache_operator.engineset import primaries
 from weightcache_operator.engineset_manifests import (
@@ -26,7 +25,10 @@ from weightcache_operator.engineset_manifests import (
     template_hash,
 )
 from weightcache_operator.engineset_spec import check_gpu_resources, parse_engineset
-from weightcache_operator.manifests import render_agent_role_binding, render_agent_service_account
+from weightcache_operator.manifests import (
+    render_agent_role_binding,
+    render_agent_service_account,
+)
 from weightcache_operator.placement import Placement, Replica, place
 from weightcache_operator.rollup import node_replicas
 from weightcache_operator.spec import SpecError, parse_spec

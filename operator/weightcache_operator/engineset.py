@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -75,6 +76,17 @@ STATUS_KEYS = (
     "rollout", "groups", "conditions",
 )
 MAX_GROUP_ENTRIES = 64
+
+
+class Rejected(Exception):
+    """The API server refused to create an object as rendered (message says which and why)."""
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)[:512]
+    except (ValueError, AttributeError):
+        return str(e.reason)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,7 +265,12 @@ class EngineSetReconciler:
     # --- writing ------------------------------------------------------------------------
 
     def _create(self, obj: dict[str, Any], owner: kopf.Body) -> dict[str, Any] | None:
-        """Create an owned object; None when the name is taken (by a previous pass or by someone else)."""
+        """Create an owned object; None when the name is taken (by a previous pass or by someone else).
+
+        A refusal that says the object itself is wrong or not allowed (400, 403, 422:
+        an invalid template, a quota, a Pod Security level) is the user's input, not a
+        transient failure: it becomes ``Rejected`` for a condition, never a retry storm.
+        """
         assert self.api is not None
         kopf.append_owner_reference(obj, owner=owner)
         try:
@@ -261,6 +278,8 @@ class EngineSetReconciler:
         except ApiException as e:
             if e.status == 409:
                 return None
+            if e.status in (400, 403, 422):
+                raise Rejected(f"{obj['kind']} {obj['metadata']['name']}: {_api_message(e)}") from None
             raise
 
     def _ensure_service(self, desired: dict[str, Any], owner: kopf.Body, uid: str | None) -> str:
@@ -391,13 +410,18 @@ class EngineSetReconciler:
         old_groups = {g.get("index"): g for g in old_status.get("groups") or [] if isinstance(g, Mapping)}
         groups_status: list[dict[str, Any]] = []
         conflicts: list[str] = []
-        now_wall, now_mono = time.time(), time.monotonic()
+        rejected: list[str] = []
+        now_mono = time.monotonic()
         counts = {"replicas": 0, "ready": 0, "serving": 0, "standbys": 0, "pods": 0, "updated": 0}
 
         for group, p in placed.items():
             gp = by_group.setdefault(group, GroupPods())
             if es.mode == "dra" and group not in claim_by_group:
-                created = await asyncio.to_thread(self._create, render_claim(es, namespace, name, p), body)
+                try:
+                    created = await asyncio.to_thread(self._create, render_claim(es, namespace, name, p), body)
+                except Rejected as e:
+                    rejected.append(str(e))
+                    created = None
                 if created is not None:
                     note("created", "ResourceClaim", claim_name(name, group), f"{p.node} {','.join(p.gpus)}")
                     claim_by_group[group] = created
@@ -414,7 +438,11 @@ class EngineSetReconciler:
                 if slot in gp.live or slot in gp.terminating:
                     continue
                 pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
-                created = await asyncio.to_thread(self._create, pod, body)
+                try:
+                    created = await asyncio.to_thread(self._create, pod, body)
+                except Rejected as e:
+                    rejected.append(str(e))
+                    break  # the other slots would be refused for the same reason
                 if created is None:
                     conflicts.append(pod_name(name, group, slot))
                     continue
@@ -492,7 +520,11 @@ class EngineSetReconciler:
             logger.info(f"not serving: {_meta(pod)['name']}")
 
         service = render_service(es, namespace, name)
-        action = await asyncio.to_thread(self._ensure_service, service, body, uid)
+        try:
+            action = await asyncio.to_thread(self._ensure_service, service, body, uid)
+        except Rejected as e:
+            rejected.append(str(e))
+            action = "rejected"
         if action in ("created", "patched"):
             note(action, "Service", es.service_name)
         elif action == "conflict":
@@ -505,11 +537,11 @@ class EngineSetReconciler:
             rollout={"phase": "Complete" if counts["updated"] == counts["pods"] else "Outdated",
                      "templateHash": thash, "updatedPods": counts["updated"], "pods": counts["pods"]},
         )
-        return self._conditions(es, view, counts, unplaced, conflicts, placed)
+        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed)
 
     @staticmethod
     def _conditions(es: EngineSetSpec, view: CacheView, counts: Mapping[str, int], unplaced: list[int],
-                    conflicts: list[str], placed: Mapping[int, Placement]) -> list[Desired]:
+                    conflicts: list[str], rejected: list[str], placed: Mapping[int, Placement]) -> list[Desired]:
         wanted, serving = es.replicas, counts["serving"]
         if wanted == 0:
             ready = Desired(READY, "True", "ScaledToZero", "replicas is 0")
@@ -518,7 +550,10 @@ class EngineSetReconciler:
         else:
             ready = Desired(READY, "False", "GroupsNotServing", f"{serving}/{wanted} groups serving")
         unreachable = sorted({p.node for p in placed.values() if p.node in view.unreachable})
-        if conflicts:
+        if rejected:
+            degraded = Desired(DEGRADED, "True", "Rejected",
+                               "the API server refused " + "; ".join(rejected[:3]))
+        elif conflicts:
             degraded = Desired(DEGRADED, "True", "OwnershipConflict",
                                f"{', '.join(conflicts[:3])} already exist(s) and are not controlled by this EngineSet; "
                                "rename or delete them")

@@ -44,9 +44,9 @@ from kubernetes.client.exceptions import ApiException
 from . import API_GROUP, API_VERSION, PLURAL
 from .agents import fetch_all, select_agent_pods
 from .conditions import Desired, merge, transitions
+from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset import EngineSetReconciler
 from .engineset import register as register_engineset
-from .config import AGENT_HTTP_PORT, OperatorConfig
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
     ANNOTATION_SPEC_HASH,
