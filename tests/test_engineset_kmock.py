@@ -269,3 +269,26 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
             writes = {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad}
             await asyncio.sleep(4 * POLL)
             assert {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad} == writes
+
+
+async def test_a_pod_the_api_server_refuses_is_a_condition_not_a_retry_storm(cluster: KubeClient, kmock: Any) -> None:
+    with AgentServer(node_status("node-a")) as a:
+        await create_device_class(cluster)
+        await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port))
+        # What a Pod Security admission or a quota says about a pod it will not admit. (The
+        # emulator stores the pod anyway, so only the first pass sees the refusal.)
+        kmock["post /api/v1/namespaces/default/pods"] << 403 << {
+            "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Forbidden", "code": 403,
+            "message": 'pods "chat-0-0" is forbidden: violates PodSecurity "restricted:latest": hostPath volumes'}
+        async with operator(kmock):
+            await cluster.create(ES_RESOURCE, engineset("chat", {"cacheRef": {"name": "qwen"}, "template": TEMPLATE}))
+            degraded = await wait_for(lambda: (c := condition(es_of(kmock, "chat"), "Degraded")) and
+                                      c["reason"] == "Rejected" and c, what="Degraded=Rejected")
+            assert degraded["status"] == "True"
+            assert "Pod chat-0-0: pods \"chat-0-0\" is forbidden: violates PodSecurity" in degraded["message"]
+            await wait_for(lambda: any(e["reason"] == "Rejected" and e["type"] == "Warning"
+                                       for e in events_for(kmock, "chat")), what="a Warning event")
+            # The claim and Service were still made: only the pod is refused.
+            assert get_object(kmock, CLAIM_RESOURCE, "default", "chat-0")
+            assert get_object(kmock, SVC_RESOURCE, "default", "chat")
