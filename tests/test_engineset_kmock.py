@@ -239,6 +239,7 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
         await create_device_class(cluster)
         await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
         await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port))
+        await cluster.create(WC_RESOURCE, weightcache("cold", CACHE_SPEC))  # no agent answers for it yet
         async with operator(kmock):
             tp4 = copy.deepcopy(TEMPLATE)
             tp4["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": 4}}
@@ -250,6 +251,8 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
                 "noclass": ({"cacheRef": {"name": "qwen"}, "template": TEMPLATE,
                              "gpuBinding": {"deviceClassName": "tpu.example.com"}},
                             "UnknownDeviceClass", "DeviceClass tpu.example.com does not exist"),
+                "notready": ({"cacheRef": {"name": "cold"}, "template": TEMPLATE},
+                             "CacheNotReady", "1 group(s) not placed: WeightCache cold is not Ready"),
             }
             for name, (spec, _, _) in bad.items():
                 await cluster.create(ES_RESOURCE, engineset(name, spec))
@@ -265,7 +268,9 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
                                            for e in events_for(kmock, name)), what=f"a Warning event on {name}")
                 assert not any(p[0].plural == "pods" and p[2].startswith(f"{name}-") for p in kmock.objects)
 
-            # Still bad on later polls: no repeated status writes, no retry storm.
+            # Still bad on later polls: no repeated status writes, no retry storm (once the
+            # cold cache's own status, quoted in its EngineSet's message, has settled).
+            await asyncio.sleep(2 * POLL)
             writes = {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad}
             await asyncio.sleep(4 * POLL)
             assert {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad} == writes

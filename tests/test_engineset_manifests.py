@@ -15,6 +15,7 @@ from typing import Any
 import celpy
 import kubernetes_validate
 import pytest
+from weightcache_operator.agents import AgentPod
 from weightcache_operator.config import OperatorConfig
 from weightcache_operator.engineset import primaries
 from weightcache_operator.engineset_manifests import (
@@ -30,7 +31,7 @@ from weightcache_operator.manifests import (
     render_agent_service_account,
 )
 from weightcache_operator.placement import Placement, Replica, place
-from weightcache_operator.rollup import node_replicas
+from weightcache_operator.rollup import node_entry, node_replicas
 from weightcache_operator.spec import SpecError, parse_spec
 
 LATEST = kubernetes_validate.utils.latest_version()
@@ -264,6 +265,16 @@ def test_node_replicas_from_the_agent_or_chunked_by_tp() -> None:
     assert node_replicas({"phase": "Ready"}, 2) is None
     assert node_replicas({"phase": "Ready", "replicas": [{"gpus": "x", "phase": "Bogus"}, 7]}, 2) == [
         {"index": 0, "gpus": [], "phase": "Ready"}]
+
+
+def test_weightcache_node_entries_carry_the_replicas() -> None:
+    pod = AgentPod(name="qwen-agent-x", node="node-a", ip="10.0.0.1", port=9464, phase="Running", ready=True,
+                   terminating=False, created="", waiting=None)
+    doc = {"phase": "Ready", "gpuUUIDs": ["g0", "g1", "g2", "g3", "g4", "g5", "g6", "g7"]}
+    entry = node_entry(pod, doc, 2)
+    assert [r["gpus"] for r in entry["replicas"]] == [["g0", "g1"], ["g2", "g3"], ["g4", "g5"], ["g6", "g7"]]
+    assert len(node_entry(pod, doc, 8)["replicas"]) == 1
+    assert "replicas" not in node_entry(pod, {"phase": "Ready", "gpuUUIDs": ["g0"]}, 2)  # no whole replica
 
 
 def test_primaries_prefer_rank_zero_and_skip_malformed_leases() -> None:

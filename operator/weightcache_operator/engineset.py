@@ -384,14 +384,15 @@ class EngineSetReconciler:
         for group in set(by_group) | set(claim_by_group):
             sources = ([claim_by_group[group]] if group in claim_by_group else []) + list(by_group.get(group, GroupPods()).live.values())
             for obj in sources:
-                if (p := placement_of(obj, group)) is not None:
+                # A placement of another size than the cache's tp (its parallelism changed) is void.
+                if (p := placement_of(obj, group)) is not None and len(p.gpus) == view.spec.tensor:
                     existing[group] = p
                     break
         placed, unplaced = place(es.replicas, existing, view.replicas)
 
         # Groups no longer wanted, and groups whose recorded placement lost (overlap): remove.
         for group in sorted(set(by_group) | set(claim_by_group)):
-            if group in placed and existing.get(group) in (None, placed[group]):
+            if group in placed and existing.get(group) == placed[group]:
                 continue
             gp = by_group.get(group, GroupPods())
             for slot, pod in sorted(gp.live.items()):
