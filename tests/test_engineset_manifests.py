@@ -30,7 +30,7 @@ from weightcache_operator.manifests import (
     render_agent_role_binding,
     render_agent_service_account,
 )
-from weightcache_operator.placement import Placement, Replica, place
+from weightcache_operator.placement import Placement, Replica, orphaned, place
 from weightcache_operator.rollup import node_entry, node_replicas
 from weightcache_operator.spec import SpecError, parse_spec
 
@@ -244,6 +244,17 @@ def test_existing_groups_keep_their_place_and_never_share_a_replica() -> None:
     # A placed group stays where it is even when its replica is not Ready right now.
     placed2, _ = place(1, {0: Placement(0, "gone", ("GPU-x", "GPU-y"))}, ready)
     assert placed2[0].node == "gone"
+
+
+def test_only_a_group_with_no_running_pod_on_a_node_without_agent_moves() -> None:
+    existing = {0: Placement(0, "gone", ("GPU-x", "GPU-y")), 1: Placement(1, "a", ("GPU-a0", "GPU-a1")),
+                2: Placement(2, "gone", ("GPU-z", "GPU-w"))}
+    # Group 2's pods still run (the node is only between two agent pods): it stays.
+    assert orphaned(existing, agent_nodes={"a"}, running={2}) == {0}
+    assert orphaned(existing, agent_nodes={"a", "gone"}, running=set()) == set()
+    stale = orphaned(existing, agent_nodes={"a"}, running={1, 2})
+    placed, _ = place(3, {g: p for g, p in existing.items() if g not in stale}, replicas("a", 2) + replicas("b", 1))
+    assert placed[0].node == "b" and placed[1] == existing[1] and placed[2] == existing[2]
 
 
 def test_groups_beyond_the_ready_replicas_stay_unplaced() -> None:

@@ -67,7 +67,7 @@ from .engineset_manifests import (
 from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
 from .kube import KubeApi, merge_patch_for
 from .manifests import selector_labels as agent_selector_labels
-from .placement import Placement, Replica, place
+from .placement import Placement, Replica, orphaned, place
 from .rollup import node_replicas
 from .spec import CacheSpec, SpecError, parse_spec, plain
 
@@ -192,6 +192,7 @@ class CacheView:
     replicas: list[Replica]
     primaries: dict[str, dict[str, PodRef]]  # node -> lease group -> primary
     unreachable: dict[str, str]  # node -> why its agent did not answer
+    agent_nodes: set[str]  # nodes with an agent pod of the cache (answering or not)
 
 
 class EngineSetReconciler:
@@ -248,7 +249,8 @@ class EngineSetReconciler:
             for r in node_replicas(doc, cs.tensor) or []:
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
-        return CacheView(cs, ready, message, replicas, prim, unreachable)
+        return CacheView(cs, ready, message, replicas, prim, unreachable,
+                         {a.node for a in agents if a.node is not None})
 
     def _owned(self, kind: str, namespace: str, name: str, uid: str | None) -> list[dict[str, Any]]:
         assert self.api is not None
@@ -388,6 +390,11 @@ class EngineSetReconciler:
                 if (p := placement_of(obj, group)) is not None and len(p.gpus) == view.spec.tensor:
                     existing[group] = p
                     break
+        running = {g for g, gp in by_group.items()
+                   if any((x.get("status") or {}).get("phase") == "Running" for x in gp.live.values())}
+        for group in orphaned(existing, view.agent_nodes, running):
+            logger.info(f"group {group}: node {existing[group].node} has no agent and no running pod; placing it again")
+            del existing[group]
         placed, unplaced = place(es.replicas, existing, view.replicas)
 
         # Groups no longer wanted, and groups whose recorded placement lost (overlap): remove.

@@ -8,7 +8,9 @@ group index that could be placed, and the indexes that could not.
 Rules, in order:
 
 1. an existing group keeps its node and GPUs, Ready or not: moving it would restart
-   its engines (the agent's own restart is not a reason to move);
+   its engines (the agent's own restart is not a reason to move). The exception
+   (``orphaned``): a group none of whose pods runs, on a node where no agent of the
+   cache runs either (the node is gone, or the cache no longer selects it);
 2. no two groups share a GPU: a later existing group that overlaps an earlier one
    loses its placement and is placed again;
 3. a new group goes to a free Ready replica on the node with the fewest groups
@@ -75,3 +77,13 @@ def place(
         taken |= {(best.node, u) for u in best.gpus}
         per_node[best.node] += 1
     return dict(sorted(placed.items())), unplaced
+
+
+def orphaned(existing: Mapping[int, Placement], agent_nodes: Iterable[str], running: Iterable[int]) -> set[int]:
+    """Groups to place again: no pod of theirs runs and their node has no agent of the cache.
+
+    Both conditions, so that an agent pod replaced during the DaemonSet's rolling
+    update (a moment with no agent pod on the node) never moves a serving group.
+    """
+    nodes, alive = set(agent_nodes), set(running)
+    return {g for g, p in existing.items() if p.node not in nodes and g not in alive}
