@@ -376,11 +376,18 @@ class EngineSetReconciler:
             else:
                 gp.live[slot] = pod
         claim_by_group: dict[int, dict[str, Any]] = {}
+        # A claim being deleted still holds its name (and, while pods use it, its devices):
+        # its group waits for it to go before anything is created for it again.
+        waiting: set[int] = set()
         for claim in claims:
             try:
-                claim_by_group[int((_meta(claim).get("labels") or {}).get(LABEL_GROUP, ""))] = claim
+                group = int((_meta(claim).get("labels") or {}).get(LABEL_GROUP, ""))
             except ValueError:
                 continue
+            if _meta(claim).get("deletionTimestamp"):
+                waiting.add(group)
+            else:
+                claim_by_group[group] = claim
 
         existing: dict[int, Placement] = {}
         for group in set(by_group) | set(claim_by_group):
@@ -402,14 +409,18 @@ class EngineSetReconciler:
             if group in placed and existing.get(group) == placed[group]:
                 continue
             gp = by_group.get(group, GroupPods())
+            if not gp.live and group not in claim_by_group:
+                continue  # only terminating pods: nothing to remove, and nothing stands in the way
             for slot, pod in sorted(gp.live.items()):
                 if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
                     note("deleted", "Pod", _meta(pod)["name"], f"group {group} is not wanted or moved")
+                gp.terminating.add(slot)
             gp.live.clear()
             if group in claim_by_group:
                 claim = claim_by_group.pop(group)
                 if await asyncio.to_thread(api.delete, "ResourceClaim", namespace, _meta(claim)["name"], _meta(claim).get("uid")):
                     note("deleted", "ResourceClaim", _meta(claim)["name"])
+            waiting.add(group)
 
         thash = template_hash(es, view.spec, self.config)
         serving_true: list[dict[str, Any]] = []
@@ -424,6 +435,10 @@ class EngineSetReconciler:
 
         for group, p in placed.items():
             gp = by_group.setdefault(group, GroupPods())
+            if group in waiting:
+                # Its old objects are going away (scaled down and up, moved): a later pass creates anew.
+                groups_status.append({"index": group, "phase": "Starting", "node": p.node, "gpus": list(p.gpus)})
+                continue
             if es.mode == "dra" and group not in claim_by_group:
                 try:
                     created = await asyncio.to_thread(self._create, render_claim(es, namespace, name, p), body)
