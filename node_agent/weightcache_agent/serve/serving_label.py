@@ -1,0 +1,216 @@
+"""The agent's one API write: label a promoted engine pod `weightcache.io/serving: "true"`.
+
+Why: when a primary engine dies, the Service of its EngineSet must route to the standby
+the agent just promoted. Doing it from the node, in one write, is what makes failover
+take milliseconds instead of an operator's reconcile; the EndpointSlice controller then
+lists the new primary. The chart's ValidatingAdmissionPolicy lets an agent's token make
+exactly this change, to pods on its own node.
+
+How: in a pod, the API server is `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`,
+authenticated with the pod's bound service-account token and verified against the
+cluster CA, both under `/var/run/secrets/kubernetes.io/serviceaccount/` (each
+overridable: constructor arguments, or `WEIGHTCACHE_KUBE_API`, `WEIGHTCACHE_KUBE_TOKEN`,
+`WEIGHTCACHE_KUBE_CA`). No Kubernetes library: the agent image stays small. The TLS
+connection is opened ahead of time (`connect()`) and kept alive, so a promotion costs one
+round trip: `mark_serving` sends the merge patch
+`{"metadata": {"uid": <uid>, "labels": {"weightcache.io/serving": "true"}}}` (the uid
+makes a replacement pod of the same name refuse it) and returns the seconds it took.
+The token is read again when its file changes (the kubelet rotates it) and after a 401.
+A connection the server closed while idle is noticed before sending and reopened. Every
+call ends within `timeout` seconds; a failure raises `ServingLabelError` with one line
+and logs that line (no traceback): the agent goes on serving, and the operator's
+reconcile labels the pod later.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import select
+import socket
+import ssl
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+from ..errors import WeightCacheError
+
+log = logging.getLogger(__name__)
+
+SERVING_LABEL = "weightcache.io/serving"
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+class ServingLabelError(WeightCacheError):
+    """The serving label could not be written (refused, unreachable, or too slow)."""
+
+
+def in_cluster_api_url() -> str | None:
+    """The API server's URL from the environment, or None outside a cluster."""
+    if os.environ.get("WEIGHTCACHE_KUBE_API"):
+        return os.environ["WEIGHTCACHE_KUBE_API"]
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+    if not host:
+        return None
+    if ":" in host:  # an IPv6 address
+        host = f"[{host}]"
+    return f"https://{host}:{port}"
+
+
+class ServingLabelWriter:
+    """A kept-alive, authenticated connection to the API server that flips one pod label."""
+
+    def __init__(self, api_url: str | None = None, *, token_path: str | os.PathLike[str] | None = None,
+                 ca_path: str | os.PathLike[str] | None = None, timeout: float = 2.0) -> None:
+        url = api_url or in_cluster_api_url()
+        if not url:
+            raise ServingLabelError("no API server: KUBERNETES_SERVICE_HOST is not set and no URL was given")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise ServingLabelError(f"API server URL must be https://host[:port], not {url!r}")
+        self.host, self.port = parts.hostname, parts.port or 443
+        self.token_path = Path(token_path or os.environ.get("WEIGHTCACHE_KUBE_TOKEN") or SA_DIR / "token")
+        self.ca_path = Path(ca_path or os.environ.get("WEIGHTCACHE_KUBE_CA") or SA_DIR / "ca.crt")
+        self.timeout = timeout
+        try:
+            self._ctx = ssl.create_default_context(cafile=str(self.ca_path))
+        except (OSError, ssl.SSLError) as e:
+            raise ServingLabelError(f"cluster CA {self.ca_path}: {_one_line(e)}") from None
+        self._lock = threading.Lock()
+        self._conn: http.client.HTTPSConnection | None = None
+        self._token = ""
+        self._token_stamp: tuple[int, int, int] | None = None
+        self.connections_opened = 0
+
+    @classmethod
+    def from_environment(cls, timeout: float = 2.0) -> ServingLabelWriter | None:
+        """A writer when running in a cluster (or pointed at one), else None."""
+        if not in_cluster_api_url():
+            return None
+        return cls(timeout=timeout)
+
+    # -- connection and token ----------------------------------------------------------
+
+    def connect(self) -> None:
+        """Open the TLS connection now, so that the first promotion pays no handshake."""
+        with self._lock:
+            self._read_token(force=False)
+            self._open(time.monotonic() + self.timeout)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _open(self, deadline: float) -> http.client.HTTPSConnection:
+        if self._conn is not None:
+            self._conn.close()
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self._ctx,
+                                           timeout=max(deadline - time.monotonic(), 0.001))
+        try:
+            conn.connect()
+        except (OSError, ssl.SSLError) as e:
+            conn.close()
+            self._conn = None
+            raise ServingLabelError(f"connect to {self.host}:{self.port}: {_one_line(e)}") from None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self._conn = conn
+        self.connections_opened += 1
+        return conn
+
+    def _usable(self) -> bool:
+        """The kept connection is open and the server has not closed it while idle."""
+        conn = self._conn
+        if conn is None or conn.sock is None:
+            return False
+        try:
+            readable, _, _ = select.select([conn.sock], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable  # an idle connection with something to read is one the server closed
+
+    def _read_token(self, force: bool) -> None:
+        try:
+            st = os.stat(self.token_path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if force or stamp != self._token_stamp:
+                self._token = self.token_path.read_text().strip()
+                self._token_stamp = stamp
+        except OSError as e:
+            raise ServingLabelError(f"service-account token {self.token_path}: {_one_line(e)}") from None
+
+    # -- the write ---------------------------------------------------------------------
+
+    def mark_serving(self, namespace: str, name: str, uid: str) -> float:
+        """Label pod namespace/name (only if its uid is `uid`) serving; the seconds it took."""
+        start = time.perf_counter()
+        try:
+            with self._lock:
+                self._mark(namespace, name, uid, time.monotonic() + self.timeout)
+        except ServingLabelError as e:
+            log.warning("serving label for pod %s/%s not written: %s", namespace, name, e)
+            raise
+        return time.perf_counter() - start
+
+    def _mark(self, namespace: str, name: str, uid: str, deadline: float) -> None:
+        body = json.dumps({"metadata": {"uid": uid, "labels": {SERVING_LABEL: "true"}}}).encode()
+        path = f"/api/v1/namespaces/{urllib.parse.quote(namespace)}/pods/{urllib.parse.quote(name)}"
+        self._read_token(force=False)
+        retried_auth = retried_conn = False
+        while True:
+            if not self._usable():
+                self._open(deadline)
+            conn = self._conn
+            assert conn is not None and conn.sock is not None
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServingLabelError(f"timed out after {self.timeout:g}s")
+            conn.sock.settimeout(remaining)
+            try:
+                conn.request("PATCH", path, body=body, headers={
+                    "Authorization": f"Bearer {self._token}",
+                    "Content-Type": "application/merge-patch+json",
+                    "Accept": "application/json",
+                })
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (socket.timeout, TimeoutError):
+                self._drop()
+                raise ServingLabelError(f"timed out after {self.timeout:g}s") from None
+            except (http.client.HTTPException, OSError) as e:
+                self._drop()
+                if retried_conn:
+                    raise ServingLabelError(f"PATCH {path}: {_one_line(e)}") from None
+                retried_conn = True  # the kept connection went away under us: once more on a new one
+                continue
+            if resp.will_close:
+                self._drop()
+            if resp.status == 401 and not retried_auth:
+                retried_auth = True
+                self._read_token(force=True)
+                continue
+            if resp.status >= 300:
+                raise ServingLabelError(f"PATCH {path}: {resp.status} {_status_message(raw)}")
+            return
+
+    def _drop(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+def _status_message(raw: bytes) -> str:
+    try:
+        doc = json.loads(raw)
+        return _one_line(f"{doc.get('reason', '')}: {doc.get('message', '')}".strip(": "))
+    except (ValueError, AttributeError):
+        return _one_line(raw.decode(errors="replace")[:300])
+
+
+def _one_line(e: object) -> str:
+    text = str(e) or type(e).__name__
+    return " ".join(text.split())

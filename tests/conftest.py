@@ -1,0 +1,25 @@
+"""Fixtures shared across test modules: the real Kubernetes control plane (one per session)."""
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from k8s_lab import Lab, unavailable_reason
+
+
+@pytest.fixture(scope="session")
+def k8s_lab() -> Iterator[Lab]:
+    """A running control plane with nodes node-1 and node-2, the GPU DeviceClass and the CRDs.
+
+    Skips where the control-plane scripts or etcd are absent. Started once per session and
+    stopped (down.sh --wipe, nothing left running) at its end.
+    """
+    reason = unavailable_reason()
+    if reason:
+        pytest.skip(f"no Kubernetes control plane: {reason}")
+    lab = Lab.start()
+    try:
+        yield lab
+    finally:
+        lab.stop()
