@@ -23,3 +23,21 @@ def k8s_lab() -> Iterator[Lab]:
         yield lab
     finally:
         lab.stop()
+
+
+@pytest.fixture(scope="session")
+def k8s_chart(k8s_lab: Lab) -> Lab:
+    """The lab with the project's Helm chart installed (release `weightcache`): the operator's
+    RBAC, the agent's ClusterRole and the ValidatingAdmissionPolicy. Needs helm-sdkpy."""
+    import os
+
+    from k8s_lab import install_or_upgrade_chart
+
+    try:
+        import helm_sdkpy  # noqa: F401
+    except Exception as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"helm-sdkpy not available: {e}")
+    install_or_upgrade_chart(k8s_lab)
+    return k8s_lab

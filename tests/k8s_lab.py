@@ -481,3 +481,54 @@ def install_chart(lab: Lab, *, release: str = "weightcache", namespace: str = "w
     config = helm_sdkpy.Configuration(namespace=namespace, kubeconfig=str(lab.kubeconfig))
     return asyncio.run(helm_sdkpy.Install(config).run(release, str(chart), values=values,
                                                        create_namespace=True, wait=False))
+
+
+AGENT_SA = "weightcache-agent"
+
+
+@dataclass
+class AgentIdentity:
+    """An agent pod on a node and the token the kubelet would mount into it."""
+
+    namespace: str
+    pod: str
+    uid: str
+    node: str
+    token: str
+    token_path: Path
+
+
+def agent_identity(lab: Lab, namespace: str, node: str, *, name: str | None = None,
+                   token_dir: Path | None = None) -> AgentIdentity:
+    """The `weightcache-agent` ServiceAccount (bound to the chart's ClusterRole), an agent pod bound
+    to `node` and a token bound to that pod, written to a file as the kubelet mounts it."""
+    lab.service_account(namespace, AGENT_SA, cluster_role=AGENT_SA)
+    name = name or f"agent-{node}"
+    pod = lab.api.create(pods_path(namespace), {
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "weightcache-agent"}},
+        "spec": {"nodeName": node, "serviceAccountName": AGENT_SA, "automountServiceAccountToken": False,
+                 "containers": [{"name": "agent", "image": "ghcr.io/weightcache/agent:0.1.0"}]},
+    })
+    token = lab.bound_token(namespace, AGENT_SA, name)
+    token_dir = token_dir or Path(tempfile.mkdtemp(prefix="wc-agent-token-"))
+    token_path = token_dir / f"{name}.token"
+    token_path.write_text(token)
+    return AgentIdentity(namespace, name, pod["metadata"]["uid"], node, token, token_path)
+
+
+def install_or_upgrade_chart(lab: Lab, **kwargs: Any) -> None:
+    """install_chart, or an upgrade where the release is there already (a reused lab)."""
+    try:
+        install_chart(lab, **kwargs)
+    except Exception as e:
+        if "re-use a name" not in str(e) and "still in use" not in str(e):
+            raise
+        import asyncio
+
+        import helm_sdkpy  # noqa: PLC0415
+
+        config = helm_sdkpy.Configuration(namespace=kwargs.get("namespace", "weightcache-system"),
+                                          kubeconfig=str(lab.kubeconfig))
+        asyncio.run(helm_sdkpy.Upgrade(config).run(kwargs.get("release", "weightcache"),
+                                                   str(REPO / "charts" / "weightcache"),
+                                                   values=kwargs.get("values"), wait=False))

@@ -127,11 +127,23 @@ class ServingLabelWriter:
         conn = self._conn
         if conn is None or conn.sock is None:
             return False
+        sock = conn.sock
         try:
-            readable, _, _ = select.select([conn.sock], [], [], 0)
+            readable, _, _ = select.select([sock], [], [], 0)
+            if not readable:
+                return True
+            # Readable while idle: TLS records the server sends after the handshake (session
+            # tickets) read as no data; an end of stream or stray bytes mean it is unusable.
+            sock.setblocking(False)
+            try:
+                sock.recv(1)
+                return False
+            except ssl.SSLWantReadError:
+                return True
+            finally:
+                sock.setblocking(True)
         except (OSError, ValueError):
             return False
-        return not readable  # an idle connection with something to read is one the server closed
 
     def _read_token(self, force: bool) -> None:
         try:
