@@ -198,7 +198,7 @@ class ApiClient:
               timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
         """Events (type, object) of a watch; ends at `stop`, the server's timeout or a dropped line."""
         query = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s), **(params or {})}
-        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=1.0)
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=0.25)
         try:
             conn.request("GET", f"{path}?{urllib.parse.urlencode(query)}", headers=self._headers(None))
             resp = conn.getresponse()
