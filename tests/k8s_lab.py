@@ -198,18 +198,32 @@ class ApiClient:
               timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
         """Events (type, object) of a watch; ends at `stop`, the server's timeout or a dropped line."""
         query = {"watch": "1", "allowWatchBookmarks": "true", "timeoutSeconds": str(timeout_s), **(params or {})}
-        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=0.25)
+        conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=self.timeout)
+        done = threading.Event()
+
+        def interrupt() -> None:  # a blocked read ends when its socket is shut down
+            while not done.is_set():
+                if stop.wait(0.05):
+                    with contextlib.suppress(OSError, AttributeError):
+                        conn.sock.shutdown(socket.SHUT_RDWR)
+                    return
+
         try:
             conn.request("GET", f"{path}?{urllib.parse.urlencode(query)}", headers=self._headers(None))
             resp = conn.getresponse()
             if resp.status >= 400:
                 raise ApiError(resp.status, "WATCH", path, resp.read()[:500])
+            assert conn.sock is not None
+            conn.sock.settimeout(None)
+            threading.Thread(target=interrupt, name="watch-interrupt", daemon=True).start()
             buf = b""
             while not stop.is_set():
                 try:
                     chunk = resp.read1(65536)
-                except (socket.timeout, TimeoutError):
-                    continue
+                except (OSError, http.client.HTTPException, ValueError):
+                    if stop.is_set():
+                        return
+                    raise
                 if not chunk:
                     return
                 buf += chunk
@@ -219,6 +233,7 @@ class ApiClient:
                         event = json.loads(line)
                         yield event["type"], event["object"]
         finally:
+            done.set()
             conn.close()
 
 
