@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
-ROLES = ("primary", "standby")
+ROLES = ("primary", "standby", "auto")
+POD_FIELDS = ("namespace", "name", "uid")
+MAX_POD_FIELD = 253  # a DNS subdomain: the longest pod name or namespace Kubernetes allows
 
 
 @dataclass
@@ -46,11 +48,13 @@ class Lease:
     pid: int | None
     role: str
     group: str | None
+    pod: dict[str, str] | None = None  # the engine's pod, as it says (labels follow roles by it)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "pid": self.pid, "role": self.role, "group": self.group, "attached_at": self.since}
+        return {"id": self.id, "pid": self.pid, "role": self.role, "group": self.group, "pod": self.pod,
+                "attached_at": self.since}
 
     def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
              encoded: dict[str, bytes] | None = None) -> None:
@@ -60,8 +64,12 @@ class Lease:
 
 class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
-                 handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0):
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0,
+                 on_promote: Callable[[Lease], None] | None = None):
         self.spec = spec
+        # Called (on the thread that promoted) right after a standby is told it is primary:
+        # the node-side label write that makes the cluster follow.
+        self.on_promote = on_promote
         self.handshake_timeout = handshake_timeout
         self.device = device or Device("cpu", f"cpu-{spec.tp_rank}", spec.tp_rank)
         self.adopt_wait = adopt_wait
@@ -310,6 +318,9 @@ class Agent:
                     lease = self._attach(conn, message, peer)
                     if lease is None:
                         return
+                elif kind == "switchover":
+                    self._switchover(conn, message)
+                    return
                 elif kind == "rejoin":
                     lease = self._rejoin(conn, message, fds, peer)
                     fds = []
@@ -366,14 +377,14 @@ class Agent:
                 "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
             return None
         pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
-        lease = self._register(conn, pid, role, group)
+        lease = self._register(conn, pid, role, group, _pod_identity(message.get("pod")))
         if lease is None:
             return None
         cache = self.cache
         reply = {
             "type": "manifest",
             "lease": lease.id,
-            "role": role,
+            "role": lease.role,
             "backend": cache.arena.backend,
             "fingerprint": cache.fingerprint,
             "fields": cache.fields,
@@ -391,7 +402,7 @@ class Agent:
         # a new count with an old sample.
         self.attach_seconds = (self.attach_seconds + [seconds])[-1000:]
         self.attaches += 1
-        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, role, group, lease.id, seconds * 1e3)
+        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, lease.role, group, lease.id, seconds * 1e3)
         return lease
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -403,15 +414,21 @@ class Agent:
                 self._engine_fields[key] = fields
         return dict(fields)
 
-    def _register(self, conn: socket.socket, pid: int | None, role: str, group: str | None) -> Lease | None:
-        """A new lease, or None (after telling the client) when its group already has a primary."""
+    def _register(self, conn: socket.socket, pid: int | None, role: str, group: str | None,
+                  pod: dict[str, str] | None = None) -> Lease | None:
+        """A new lease, or None (after telling the client) when its group already has a primary.
+
+        Role "auto" is decided here, under the lock: primary when the group has none, else standby.
+        """
         with self._lock:
-            if role == "primary" and group is not None and any(
-                lease.role == "primary" and lease.group == group for lease in self._leases.values()
-            ):
+            has_primary = group is not None and any(
+                lease.role == "primary" and lease.group == group for lease in self._leases.values())
+            if role == "auto":
+                role = "standby" if has_primary else "primary"
+            if role == "primary" and has_primary:
                 lease = None
             else:
-                lease = Lease(next(self._ids), conn, pid, role, group)
+                lease = Lease(next(self._ids), conn, pid, role, group, pod)
                 self._leases[lease.id] = lease
                 if len(self._leases) == 1:
                     self._write_state()
@@ -453,11 +470,11 @@ class Agent:
             for fd in fds:
                 os.close(fd)
         pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
-        lease = self._register(conn, pid, role, group)
+        lease = self._register(conn, pid, role, group, _pod_identity(message.get("pod")))
         if lease is None:
             return None
-        lease.send({"type": "rejoined", "lease": lease.id, "role": role, "adopted": adopt})
-        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", pid, role, group, lease.id,
+        lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt})
+        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", pid, lease.role, group, lease.id,
                  " (its arena adopted)" if adopt else "")
         return lease
 
@@ -475,12 +492,77 @@ class Agent:
                     successor.role = "primary"
         log.info("detached pid=%s role=%s group=%s lease=%d", lease.pid, lease.role, lease.group, lease.id)
         if successor is not None:
+            self._promote(successor, {"type": "promote", "group": lease.group, "previous_pid": lease.pid})
+
+    def _promote(self, lease: Lease, message: dict[str, Any]) -> bool:
+        """Tell a lease (already primary in our books) that it is; then let the cluster follow."""
+        try:
+            lease.send(message)
+        except OSError as e:
+            log.warning("promotion of pid=%s failed (%s); trying the next standby", lease.pid, e)
+            _shutdown(lease.conn)  # its lease ends, and the next standby is promoted
+            return False
+        log.info("promoted pid=%s to primary of group %s", lease.pid, lease.group)
+        if self.on_promote is not None:
             try:
-                successor.send({"type": "promote", "group": lease.group, "previous_pid": lease.pid})
-                log.info("promoted pid=%s to primary of group %s", successor.pid, lease.group)
-            except OSError as e:
-                log.warning("promotion of pid=%s failed (%s); trying the next standby", successor.pid, e)
-                _shutdown(successor.conn)
+                self.on_promote(lease)
+            except Exception:  # the engine is primary either way; the operator's reconcile catches up
+                log.exception("after promoting pid=%s: the promotion hook failed", lease.pid)
+        return True
+
+    def _switchover(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        """A planned handover: promote the named standby and demote the group's primary, in one step.
+
+        Only a privileged peer (root, or the agent's own uid: the node's operator tooling) may
+        ask; an engine cannot take the primary role from another by asking.
+        """
+        started = time.perf_counter()
+        _pid, uid, _gid = protocol.peer_credentials(conn)
+        if uid not in (0, os.geteuid()):
+            raise ProtocolError(f"switchover needs a privileged peer; uid {uid} is not")
+        group, to_pod, to_pid = message.get("group"), message.get("to_pod"), message.get("to_pid")
+        if not isinstance(group, str) or not (isinstance(to_pod, str) or isinstance(to_pid, int)):
+            raise ProtocolError("switchover needs group (a string) and to_pod (a pod name) or to_pid (an int)")
+        with self._lock:
+            members = [lease for lease in self._leases.values() if lease.group == group]
+            target = next((lease for lease in members if lease.role == "standby" and (
+                (to_pid is not None and lease.pid == to_pid) or
+                (to_pod is not None and (lease.pod or {}).get("name") == to_pod))), None)
+            old = [lease for lease in members if lease.role == "primary"]
+            if target is not None:
+                target.role = "primary"
+                for lease in old:
+                    lease.role = "standby"
+        if target is None:
+            protocol.send_message(conn, protocol.error_message(
+                "no_such_standby", f"group {group!r} has no standby {to_pod or to_pid!r} on this agent"))
+            return
+        promoted = self._promote(target, {"type": "promote", "group": group, "planned": True,
+                                          "previous_pid": old[0].pid if old else None})
+        for lease in old:  # after the promotion: make before break
+            _try_lease_send(lease, {"type": "demote", "group": group, "successor_pid": target.pid})
+        seconds = time.perf_counter() - started
+        log.info("switchover of group %s to pid=%s in %.2fms", group, target.pid, seconds * 1e3)
+        protocol.send_message(conn, {"type": "switched", "group": group, "ok": promoted, "primary": target.to_json(),
+                                     "demoted": [lease.to_json() for lease in old], "seconds": seconds})
+
+
+def _pod_identity(value: Any) -> dict[str, str] | None:
+    """The `pod` field of an attach: null, or namespace/name/uid strings of bounded length."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and all(
+            isinstance(value.get(k), str) and 0 < len(value[k]) <= MAX_POD_FIELD for k in POD_FIELDS)):
+        raise ProtocolError(f"pod must be null or an object with {', '.join(POD_FIELDS)} (strings of at most "
+                            f"{MAX_POD_FIELD} characters)")
+    return {k: value[k] for k in POD_FIELDS}
+
+
+def _try_lease_send(lease: Lease, message: dict[str, Any]) -> None:
+    try:
+        lease.send(message)
+    except OSError as e:
+        log.warning("could not tell pid=%s %s: %s", lease.pid, message.get("type"), e)
 
 
 def _check_lease_terms(kind: str, role: Any, group: Any) -> None:

@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--socket-dir", help="node mode: run one worker per rank, each serving <dir>/<GPU-UUID>.sock")
     node = p.add_argument_group("node mode (with --socket-dir)")
     node.add_argument("--devices", default="all", help='"all", or a comma list of GPU ordinals and/or UUIDs')
+    node.add_argument("--replicas", type=int, default=0,
+                      help="replicas of the cache on this node, --tp-size GPUs each (default: as many as fit; "
+                           "cpu backend: 1)")
     node.add_argument("--http-port", type=int, default=9464, help="health, metrics and status over HTTP (0: any free port)")
     node.add_argument("--http-host", default="", help="address to listen on (default: every address, IPv4 and IPv6)")
     node.add_argument("--port-file", help="write the HTTP port here once listening")
