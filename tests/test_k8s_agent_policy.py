@@ -100,6 +100,18 @@ def test_agent_is_denied_a_pod_on_another_node(scene: Scene, caplog: pytest.LogC
     assert labels_of(scene, "chat-1-0")[SERVING_LABEL] == "false"
 
 
+def test_promotion_hook_labels_the_pod_a_lease_names(scene: Scene, caplog: pytest.LogCaptureFixture) -> None:
+    set_serving(scene, "chat-0-0", "false")
+    pod = {"namespace": scene.ns, "name": "chat-0-0", "uid": scene.uids["chat-0-0"]}
+    assert scene.writer.label_promoted(pod) is not None
+    assert labels_of(scene, "chat-0-0")[SERVING_LABEL] == "true"
+    # no pod in the lease, or a refused write: nothing raised, the agent goes on
+    assert scene.writer.label_promoted(None) is None
+    assert scene.writer.label_promoted({"namespace": scene.ns, "name": "chat-1-0", "uid": scene.uids["chat-1-0"]}) \
+        is None
+    assert labels_of(scene, "chat-1-0")[SERVING_LABEL] == "false"
+
+
 def test_agent_is_denied_a_pod_outside_an_engineset(scene: Scene) -> None:
     with pytest.raises(ServingLabelError, match="may only write pods of an EngineSet"):
         scene.writer.mark_serving(scene.ns, "plain", scene.uids["plain"])

@@ -33,6 +33,7 @@ import ssl
 import threading
 import time
 import urllib.parse
+from collections.abc import Mapping
 from pathlib import Path
 
 from ..errors import WeightCacheError
@@ -167,6 +168,19 @@ class ServingLabelWriter:
             log.warning("serving label for pod %s/%s not written: %s", namespace, name, e)
             raise
         return time.perf_counter() - start
+
+    def label_promoted(self, pod: Mapping[str, str] | None) -> float | None:
+        """For a promotion hook: label the pod a lease names ({namespace, name, uid}).
+
+        The seconds it took, or None when the lease names no pod or the write failed (logged).
+        """
+        if not pod or not all(pod.get(k) for k in ("namespace", "name", "uid")):
+            log.info("promoted engine names no pod; its serving label is left to the operator")
+            return None
+        try:
+            return self.mark_serving(pod["namespace"], pod["name"], pod["uid"])
+        except ServingLabelError:
+            return None
 
     def _mark(self, namespace: str, name: str, uid: str, deadline: float) -> None:
         body = json.dumps({"metadata": {"uid": uid, "labels": {SERVING_LABEL: "true"}}}).encode()
