@@ -363,9 +363,19 @@ class Lab:
         if not self.owned or getattr(self, "_stopped", False):
             return
         self._stopped = True
+        # The heartbeat loops' command lines end in the lab dir without a trailing '/', which
+        # down.sh's ownership check looks for: stop them here, by their recorded pids.
+        for pidfile in (self.dir / "run").glob("fake-node-*.pid"):
+            with contextlib.suppress(ValueError, OSError):
+                pid = int(pidfile.read_text().strip())
+                if pid in self.leftover_pids():
+                    os.kill(pid, signal.SIGTERM)
         with contextlib.suppress(Exception):
             subprocess.run([str(SHARED_K8S / "down.sh"), str(self.dir), "--wipe"], capture_output=True,
                            timeout=120, env={**os.environ, "STOP_TIMEOUT_S": "10"})
+        deadline = time.monotonic() + 5
+        while self.leftover_pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
         for pid in self.leftover_pids():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -373,14 +383,16 @@ class Lab:
             shutil.rmtree(self.dir, ignore_errors=True)
 
     def leftover_pids(self) -> list[int]:
-        """Processes whose command line mentions the lab directory (none after stop())."""
-        needle = f"{self.dir}/".encode()
+        """Processes with an argument in the lab directory (none after stop())."""
+        here = str(self.dir)
         found = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit() or int(entry.name) == os.getpid():
                 continue
             with contextlib.suppress(OSError):
-                if needle in (entry / "cmdline").read_bytes().replace(b"\0", b" "):
+                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                if any(a == here or a.startswith(here + "/") or a.endswith("=" + here) or
+                       ("=" + here + "/") in a for a in args):
                     found.append(int(entry.name))
         return found
 
