@@ -23,6 +23,8 @@ def k8s_lab() -> Iterator[Lab]:
         yield lab
     finally:
         lab.stop()
+    left = lab.leftover_pids()
+    assert not left, f"control-plane processes left running: {left}"
 
 
 @pytest.fixture(scope="session")
