@@ -37,9 +37,9 @@ for p in (REPO / "tests", REPO / "node_agent"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from fake_kubelet import FakeKubelet  # noqa: E402
-from k8s_lab import ApiClient, Lab, agent_identity, ns_path, pods_path  # noqa: E402
-from weightcache_agent.serve.serving_label import SERVING_LABEL, ServingLabelWriter  # noqa: E402
+from fake_kubelet import FakeKubelet
+from k8s_lab import ApiClient, Lab, agent_identity, ns_path, pods_path
+from weightcache_agent.serve.serving_label import SERVING_LABEL, ServingLabelWriter
 
 ENGINESET = "chat"
 PODS = ("chat-0-0", "chat-0-1")
@@ -163,17 +163,17 @@ def measure(lab: Lab, trials: int = 50, *, warmup: int = 5, namespace: str | Non
             # one write: the agent labels the standby; the endpoint appears
             t0 = time.perf_counter()
             results.write.append(writer.mark_serving(ns, standby, uids[standby]))
-            results.one.append(watch.wait_until(lambda eps: standby in eps, since=t0) - t0)
+            results.one.append(watch.wait_until(lambda eps, s=standby: s in eps, since=t0) - t0)
             # the operator's reconcile later unlabels the old primary (untimed)
             t1 = time.perf_counter()
             unlabel(api, primary)
-            watch.wait_until(lambda eps: eps == {standby}, since=t1)
+            watch.wait_until(lambda eps, s=standby: eps == {s}, since=t1)
             primary, standby = standby, primary
             # two writes: label the new primary, unlabel the old; until only the new one is listed
             t0 = time.perf_counter()
             writer.mark_serving(ns, standby, uids[standby])
             unlabel(as_agent, primary)
-            results.two.append(watch.wait_until(lambda eps: eps == {standby}, since=t0) - t0)
+            results.two.append(watch.wait_until(lambda eps, s=standby: eps == {s}, since=t0) - t0)
             primary, standby = standby, primary
             if progress and i >= 0 and (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{trials} trials", file=sys.stderr)

@@ -330,7 +330,8 @@ class FakeKubelet:
                 return False
         if "exec" in probe:
             try:
-                return subprocess.run(probe["exec"]["command"], timeout=timeout, capture_output=True).returncode == 0
+                return subprocess.run(probe["exec"]["command"], timeout=timeout, capture_output=True,
+                                      check=False).returncode == 0
             except (OSError, subprocess.TimeoutExpired):
                 return False
         return True

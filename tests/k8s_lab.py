@@ -342,7 +342,7 @@ class Lab:
             atexit.register(lab.stop)
             env = {**os.environ, **{k: str(v) for k, v in lab.ports.items()}}
             proc = subprocess.run([str(SHARED_K8S / "up.sh"), str(d)], env=env, capture_output=True,
-                                  text=True, timeout=300)
+                                  text=True, timeout=300, check=False)
             if proc.returncode != 0:
                 logs = "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted((d / "logs").glob("*.log")))
                 lab.stop()
@@ -372,7 +372,7 @@ class Lab:
                     os.kill(pid, signal.SIGTERM)
         with contextlib.suppress(Exception):
             subprocess.run([str(SHARED_K8S / "down.sh"), str(self.dir), "--wipe"], capture_output=True,
-                           timeout=120, env={**os.environ, "STOP_TIMEOUT_S": "10"})
+                           timeout=120, env={**os.environ, "STOP_TIMEOUT_S": "10"}, check=False)
         deadline = time.monotonic() + 5
         while self.leftover_pids() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -400,7 +400,7 @@ class Lab:
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
         proc = subprocess.run(["kubectl", "--kubeconfig", str(self.kubeconfig), *args], input=input,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
         return proc.stdout
@@ -502,7 +502,7 @@ def install_chart(lab: Lab, *, release: str = "weightcache", namespace: str = "w
     """
     import asyncio
 
-    import helm_sdkpy  # noqa: PLC0415 (optional: only the chart-dependent tests need it)
+    import helm_sdkpy  # optional: only the tests that install the chart need it
 
     chart = REPO / "charts" / "weightcache"
     config = helm_sdkpy.Configuration(namespace=namespace, kubeconfig=str(lab.kubeconfig))
@@ -552,7 +552,7 @@ def install_or_upgrade_chart(lab: Lab, **kwargs: Any) -> None:
             raise
         import asyncio
 
-        import helm_sdkpy  # noqa: PLC0415
+        import helm_sdkpy
 
         config = helm_sdkpy.Configuration(namespace=kwargs.get("namespace", "weightcache-system"),
                                           kubeconfig=str(lab.kubeconfig))

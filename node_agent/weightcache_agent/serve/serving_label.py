@@ -204,7 +204,7 @@ class ServingLabelWriter:
                 })
                 resp = conn.getresponse()
                 raw = resp.read()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 self._drop()
                 raise ServingLabelError(f"timed out after {self.timeout:g}s") from None
             except (http.client.HTTPException, OSError) as e:
