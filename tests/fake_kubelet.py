@@ -13,8 +13,12 @@ own session, with this process's environment plus the container's ``env``: plain
 ``value``s, and downward-API ``fieldRef``s for ``metadata.name``/``namespace``/``uid``,
 labels, annotations, ``spec.nodeName``, ``spec.serviceAccountName``,
 ``status.podIP``/``hostIP``; ``$(VAR)`` in command and args is expanded as the kubelet
-does. Any other pod (no command, an image-only command, ``run_commands=False``) is only
-marked Running: enough for pods that must merely look alive.
+does. As a kubelet mounts a service-account token, the process gets
+``KUBERNETES_SERVICE_HOST``/``PORT`` of the test API server and, in files named by
+``WEIGHTCACHE_KUBE_TOKEN`` and ``WEIGHTCACHE_KUBE_CA``, a token of the pod's service account
+bound to the pod (unless ``automountServiceAccountToken`` is false) and the cluster CA.
+Any other pod (no command, an image-only command, ``run_commands=False``) is only marked
+Running: enough for pods that must merely look alive.
 
 A second thread, the only one that writes pod status, probes every ``probe_interval``
 seconds: Ready when the process is alive (or there is none) and the readiness probe
@@ -41,6 +45,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +96,7 @@ class FakeKubelet:
     def __init__(self, lab: Lab, nodes: list[str] | None = None, *, namespace: str | None = None,
                  label_selector: str | None = None, run_commands: bool = True, probe_interval: float = 0.1,
                  kill_timeout: float = 5.0, log_dir: Path | None = None, inherit_env: bool = True) -> None:
+        self.lab = lab
         self.api: ApiClient = lab.api
         self.nodes = set(nodes or lab.nodes)
         self.namespace = namespace
@@ -243,8 +249,31 @@ class FakeKubelet:
             "status.podIP": run.ip, "status.hostIP": "127.0.0.1",
         }.get(path)
 
+    def service_account_env(self, run: PodRun) -> dict[str, str]:
+        """What a kubelet gives a pod to reach the API: the service's address, and a token of the
+        pod's service account bound to the pod, with the CA, in files (named by the variables
+        `serve/serving_label.py` reads, since /var/run/secrets cannot be mounted here)."""
+        spec = run.pod.get("spec", {})
+        if spec.get("automountServiceAccountToken") is False:
+            return {}
+        sa = spec.get("serviceAccountName") or "default"
+        req = self.api.create(f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"expirationSeconds": 3600,
+                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}}})
+        secrets = self.log_dir / f"{run.namespace}_{run.name}.serviceaccount"
+        secrets.mkdir(exist_ok=True)
+        (secrets / "token").write_text(req["status"]["token"])
+        (secrets / "ca.crt").write_bytes(self.lab.ca_path.read_bytes())
+        (secrets / "namespace").write_text(run.namespace)
+        server = urllib.parse.urlsplit(self.lab.server)
+        return {"KUBERNETES_SERVICE_HOST": server.hostname or "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": str(server.port or 443),
+                "WEIGHTCACHE_KUBE_TOKEN": str(secrets / "token"), "WEIGHTCACHE_KUBE_CA": str(secrets / "ca.crt")}
+
     def container_env(self, pod: dict[str, Any], run: PodRun, container: dict[str, Any]) -> dict[str, str]:
         env = dict(os.environ) if self.inherit_env else {}
+        env.update(self.service_account_env(run))
         for var in container.get("env", []):
             if "value" in var:
                 value: str | None = _expand(var["value"], env)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from fake_kubelet import FakeKubelet
-from k8s_lab import Lab, free_ports, pods_path, wait_for
+from k8s_lab import ApiClient, Lab, free_ports, pods_path, wait_for
 
 # Serves GET /ready: 200 once the file named by READY_FILE exists, 503 before. Writes its
 # environment to ENV_OUT first.
@@ -80,6 +80,14 @@ def test_runs_the_command_with_the_pods_env_and_probes_readiness(k8s_lab: Lab, n
     assert (env["WEIGHTCACHE_POD_NAME"], env["WEIGHTCACHE_POD_NAMESPACE"], env["WEIGHTCACHE_POD_UID"]) == \
         ("engine", ns, meta["uid"])
     assert (env["GROUP"], env["NODE"], env["PORT"]) == ("3", "node-1", str(port))
+    # the API server's address and a token bound to this pod, as a kubelet mounts it
+    assert f"https://{env['KUBERNETES_SERVICE_HOST']}:{env['KUBERNETES_SERVICE_PORT']}" == k8s_lab.server
+    as_pod = ApiClient(k8s_lab.server, Path(env["WEIGHTCACHE_KUBE_CA"]),
+                       token=Path(env["WEIGHTCACHE_KUBE_TOKEN"]).read_text())
+    me = as_pod.create("/apis/authentication.k8s.io/v1/selfsubjectreviews", {})["status"]["userInfo"]
+    assert me["username"] == f"system:serviceaccount:{ns}:default"
+    assert me["extra"]["authentication.kubernetes.io/pod-name"] == ["engine"]
+    assert me["extra"]["authentication.kubernetes.io/node-name"] == ["node-1"]
     # running, but the probe says not ready yet
     status = wait_for(lambda: (s := pod_status(k8s_lab, ns, "engine")).get("phase") == "Running" and s,
                       timeout=10, what="phase Running")
