@@ -6,7 +6,8 @@ real workers, engines that find their socket from the environment the operator i
   socket of its device, and its pod identity shows in the node's /status;
 - role `auto`: the first engine of a group is primary, the next a standby;
 - a planned switchover promotes the named standby and demotes the primary in one
-  acknowledged step; an unprivileged peer cannot ask for one.
+  acknowledged step; an unprivileged peer cannot ask for one; over HTTP only with the
+  control token; `weightcache switchover` does the same from the node.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from agent_fixtures import Probe, wait_for
 from weightcache_agent import protocol
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
+TOKEN = "a-control-token-for-tests"
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, vocab_size=512)
 
@@ -35,9 +37,12 @@ def node(tmp_path_factory):
     model = write_llama_checkpoint(str(work / "model"), SHAPE, seed=3)
     socket_dir = f"/tmp/wc-roles-{os.getpid()}"
     port_file = str(work / "port")
+    token_file = work / "token"
+    token_file.write_text(TOKEN + "\n")
     proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", socket_dir,
                              "--backend", "cpu", "--tp-size", "1", "--replicas", "2", "--http-port", "0",
-                             "--http-host", "127.0.0.1", "--port-file", port_file],
+                             "--http-host", "127.0.0.1", "--port-file", port_file,
+                             "--control-token-file", str(token_file)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: os.path.exists(port_file) or proc.poll() is not None, 30, "the HTTP port")
@@ -52,6 +57,7 @@ def node(tmp_path_factory):
             return body
 
         wait_for(lambda: status()["phase"] == "Ready", 60, "a ready node")
+        status.port = port
         yield model, socket_dir, status
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -166,6 +172,55 @@ def test_an_unprivileged_peer_cannot_switch_over(node):
         reply = switchover(sock, "ns/x", "x-1", as_user="nobody")
         assert reply["type"] == "error" and "privileged" in reply["message"], reply
         assert (primary.ask("status")["role"], standby.ask("status")["role"]) == ("primary", "standby")
+    finally:
+        primary.close()
+        standby.close()
+
+
+def post_switchover(port: int, body: dict, token: str | None) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    conn.request("POST", "/switchover", json.dumps(body), headers)
+    response = conn.getresponse()
+    answer = response.status, json.loads(response.read())
+    conn.close()
+    return answer
+
+
+def test_switchover_over_http_needs_the_token_and_the_cli_switches_back(node):
+    model, socket_dir, status = node
+    primary = engine(model, socket_dir, "cpu-0", "h-0", group="ns/h")
+    standby = engine(model, socket_dir, "cpu-0", "h-1", group="ns/h")
+    try:
+        wait_for(lambda: any(lease["group"] == "ns/h" for r in status()["ranks"] for lease in r["leases"]), 10,
+                 "the group in /status")
+        for token in (None, "wrong-token-of-some-length"):
+            code, body = post_switchover(status.port, {"group": "ns/h", "toPod": "h-1"}, token)
+            assert code == 401, body
+        assert standby.ask("status")["role"] == "standby"
+        code, body = post_switchover(status.port, {"group": "ns/h", "toPod": "h-1"}, TOKEN)
+        assert code == 200 and body["ok"], body
+        assert [r["primary"]["pod"]["name"] for r in body["ranks"]] == ["h-1"]
+        wait_for(lambda: standby.ask("status")["role"] == "primary", 5, "the promotion")
+        code, body = post_switchover(status.port, {"group": "ns/nope", "toPod": "h-1"}, TOKEN)
+        assert code == 409 and "no engine of group" in body["message"]
+        code, body = post_switchover(status.port, {"group": ["not", "a", "string"]}, TOKEN)
+        assert code == 400
+
+        cli = subprocess.run([sys.executable, "-m", "weightcache_agent", "switchover", "--socket-dir", socket_dir,
+                              "--devices", "cpu-0", "--group", "ns/h", "--to-pod", "h-0"],
+                             capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        assert "h-0 is primary on 1 rank(s)" in cli.stdout
+        wait_for(lambda: primary.ask("status")["role"] == "primary" and standby.ask("status")["role"] == "standby", 5,
+                 "the switch back")
+        refused = subprocess.run([sys.executable, "-m", "weightcache_agent", "switchover", "--socket-dir", socket_dir,
+                                  "--devices", "cpu-0", "--group", "ns/h", "--to-pod", "nobody-here"],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 1 and "has no standby 'nobody-here'" in refused.stderr
+        assert "Traceback" not in refused.stderr
     finally:
         primary.close()
         standby.close()

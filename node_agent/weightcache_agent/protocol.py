@@ -14,7 +14,8 @@ Messages (client -> agent):
   {"type": "detach"}                                   -> the lease ends cleanly
   {"type": "switchover", "group", "to_pod" | "to_pid"} -> {"type": "switched", ...}: a planned handover
       (privileged peers only): that standby is promoted and the group's primary demoted in one
-      step; they get {"type": "promote"} and {"type": "demote"} on their leases.
+      step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
+      to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
   {"type": "rejoin", "pid", "role", "group", "fields", "fingerprint", "layout_hash", "arenas"} + fds
       -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
       offers the arena it still maps; a restarted agent adopts it instead of reading the disk.

@@ -513,37 +513,45 @@ class Agent:
     def _switchover(self, conn: socket.socket, message: dict[str, Any]) -> None:
         """A planned handover: promote the named standby and demote the group's primary, in one step.
 
-        Only a privileged peer (root, or the agent's own uid: the node's operator tooling) may
-        ask; an engine cannot take the primary role from another by asking.
+        With no standby named, only the primary is demoted: the new primary is an engine of
+        another agent (a new revision's, during an upgrade), promoted there first. Only a
+        privileged peer (root, or the agent's own uid: the node's tooling) may ask; an engine
+        cannot take the primary role from another by asking.
         """
         started = time.perf_counter()
         _pid, uid, _gid = protocol.peer_credentials(conn)
         if uid not in (0, os.geteuid()):
             raise ProtocolError(f"switchover needs a privileged peer; uid {uid} is not")
         group, to_pod, to_pid = message.get("group"), message.get("to_pod"), message.get("to_pid")
-        if not isinstance(group, str) or not (isinstance(to_pod, str) or isinstance(to_pid, int)):
-            raise ProtocolError("switchover needs group (a string) and to_pod (a pod name) or to_pid (an int)")
+        if not isinstance(group, str) or not (to_pod is None or isinstance(to_pod, str)) or \
+                not (to_pid is None or isinstance(to_pid, int)):
+            raise ProtocolError("switchover needs group (a string), and to_pod (a pod name) or to_pid (an int) or "
+                                "neither (demote only)")
+        demote_only = to_pod is None and to_pid is None
         with self._lock:
             members = [lease for lease in self._leases.values() if lease.group == group]
-            target = next((lease for lease in members if lease.role == "standby" and (
+            target = None if demote_only else next((lease for lease in members if lease.role == "standby" and (
                 (to_pid is not None and lease.pid == to_pid) or
                 (to_pod is not None and (lease.pod or {}).get("name") == to_pod))), None)
             old = [lease for lease in members if lease.role == "primary"]
-            if target is not None:
-                target.role = "primary"
+            if target is not None or demote_only:
+                if target is not None:
+                    target.role = "primary"
                 for lease in old:
                     lease.role = "standby"
-        if target is None:
+        if target is None and not demote_only:
             protocol.send_message(conn, protocol.error_message(
                 "no_such_standby", f"group {group!r} has no standby {to_pod or to_pid!r} on this agent"))
             return
-        promoted = self._promote(target, {"type": "promote", "group": group, "planned": True,
-                                          "previous_pid": old[0].pid if old else None})
+        promoted = target is None or self._promote(target, {
+            "type": "promote", "group": group, "planned": True, "previous_pid": old[0].pid if old else None})
         for lease in old:  # after the promotion: make before break
-            _try_lease_send(lease, {"type": "demote", "group": group, "successor_pid": target.pid})
+            _try_lease_send(lease, {"type": "demote", "group": group, "successor_pid": target.pid if target else None})
         seconds = time.perf_counter() - started
-        log.info("switchover of group %s to pid=%s in %.2fms", group, target.pid, seconds * 1e3)
-        protocol.send_message(conn, {"type": "switched", "group": group, "ok": promoted, "primary": target.to_json(),
+        log.info("switchover of group %s to %s in %.2fms", group,
+                 f"pid={target.pid}" if target else "another agent's engine", seconds * 1e3)
+        protocol.send_message(conn, {"type": "switched", "group": group, "ok": promoted,
+                                     "primary": target.to_json() if target else None,
                                      "demoted": [lease.to_json() for lease in old], "seconds": seconds})
 
 

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--http-port", type=int, default=9464, help="health, metrics and status over HTTP (0: any free port)")
     node.add_argument("--http-host", default="", help="address to listen on (default: every address, IPv4 and IPv6)")
     node.add_argument("--port-file", help="write the HTTP port here once listening")
+    node.add_argument("--control-token-file",
+                      help="enables POST /switchover for holders of this bearer token (default: "
+                           "$WEIGHTCACHE_CONTROL_TOKEN_FILE; without one, switchover is only on the sockets)")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")

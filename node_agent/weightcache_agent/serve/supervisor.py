@@ -44,6 +44,7 @@ from ..protocol import agent_status
 from ..arena.devices import Device, resolve_backend, select_devices
 from ..errors import WeightCacheError
 from .process_group import die_with_parent
+from .switchover import switch_group
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -453,6 +454,15 @@ class NodeSupervisor:
             "ranks": ranks,
         }
 
+    def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]:
+        """A planned switchover of `group` on every rank whose engines hold its leases, in rank order."""
+        holders = sorted((w for w in self.workers if any(
+            lease.get("group") == group for lease in (w.status or {}).get("clients") or [])), key=lambda w: w.rank)
+        if not holders:
+            return {"ok": False, "group": group, "ranks": [], "seconds": 0.0,
+                    "message": f"no engine of group {group!r} is attached on this node"}
+        return switch_group([w.socket for w in holders], group, to_pod=to_pod)
+
     def snapshot(self) -> dict[str, Any]:
         """The node status document (the `/status` body); never blocks on a worker."""
         return self._snapshot
@@ -488,6 +498,18 @@ def replica_devices(backend: str, spec: str, tp_size: int, replicas: int = 0) ->
     return chosen[:(replicas or fit) * tp_size]
 
 
+def _control_token(path: str | None) -> str | None:
+    """The bearer token that `POST /switchover` requires; None (switchover over HTTP off) without a file."""
+    path = path or os.environ.get("WEIGHTCACHE_CONTROL_TOKEN_FILE")
+    if not path:
+        return None
+    with open(path) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise ValueError(f"{path}: the control token must be at least 16 characters")
+    return token
+
+
 def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`weightcache agent --socket-dir ...`: supervise this node's ranks and serve HTTP until SIGTERM."""
     from .agent_http import AgentHTTPServer, AgentMetrics
@@ -518,7 +540,8 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry)
+        server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry,
+                                 control_token=_control_token(args.control_token_file))
     except OSError as e:
         print(f"weightcache agent: cannot serve HTTP on port {args.http_port}: {e}", file=sys.stderr)
         return 1
