@@ -77,6 +77,14 @@ def agent_patch(scene: Scene, name: str, patch: dict[str, Any]) -> tuple[int, An
                                   content_type="application/merge-patch+json")
 
 
+def test_the_api_server_type_checks_the_policy_without_warnings(scene: Scene) -> None:
+    policy = scene.lab.api.get(f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{POLICY}")
+    assert policy["status"]["observedGeneration"] == policy["metadata"]["generation"]
+    assert not policy["status"].get("typeChecking", {}).get("expressionWarnings"), policy["status"]
+    role = scene.lab.api.get("/apis/rbac.authorization.k8s.io/v1/clusterroles/weightcache-agent")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "patch"]}]
+
+
 def test_agent_marks_an_engine_pod_on_its_own_node_serving(scene: Scene) -> None:
     set_serving(scene, "chat-0-0", "false")
     seconds = scene.writer.mark_serving(scene.ns, "chat-0-0", scene.uids["chat-0-0"])
