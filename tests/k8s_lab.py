@@ -16,6 +16,16 @@ GPUs as a DRA ``ResourceSlice``, make namespaces and bound tokens, and wait.
 ``Lab.stop()`` runs ``down.sh --wipe`` and then makes sure no process that mentions
 the lab directory is left.
 
+A test that assembles more of the system uses it like this::
+
+    def test_failover(k8s_lab, k8s_chart):          # k8s_chart: the Helm chart installed too
+        ns = k8s_lab.namespace("e2e")
+        k8s_lab.publish_gpus("node-1", ["GPU-a", "GPU-b"])
+        operator = subprocess.Popen([...], env=k8s_lab.env)   # KUBECONFIG points at the lab
+        with FakeKubelet(k8s_lab, ["node-1"], namespace=ns) as kubelet:   # runs the pods
+            ...
+        k8s_lab.delete_namespace(ns)
+
 Where the scripts or etcd are missing (a user's clone), ``unavailable_reason()`` says
 why and the fixture skips. ``WEIGHTCACHE_K8S_LAB=DIR`` reuses a control plane already
 started with ``up.sh DIR`` (it is then neither wiped nor stopped).

@@ -177,12 +177,24 @@ def test_agent_may_write_nothing_else_even_when_rbac_allows_it(scene: Scene) -> 
     assert lab.api.get_or_none(pods_path(ns, "chat-0-0")) is not None
 
 
-def test_other_service_accounts_are_not_limited_by_the_policy(scene: Scene) -> None:
+def test_other_service_accounts_are_not_limited_by_the_policy(scene: Scene, tmp_path: Path) -> None:
     lab, ns = scene.lab, scene.ns
     lab.service_account(ns, "other", cluster_role=AGENT_SA)  # same grants, another name
-    other = lab.client(lab.bound_token(ns, "other"))
-    status, body = other.request("PATCH", pods_path(ns, "chat-1-0"),  # node-2, another label
-                                 {"metadata": {"labels": {"team": "x"}, "annotations": {"a": "b"}}},
+    lab.api.create(pods_path(ns), {"metadata": {"name": "other-node-1"},
+                                   "spec": {"nodeName": "node-1", "serviceAccountName": "other",
+                                            "containers": [{"name": "c", "image": "x"}]}})
+    token = tmp_path / "token"
+    token.write_text(lab.bound_token(ns, "other", "other-node-1"))
+    # the very write the agent is denied (a pod on node-2), from a token bound to a pod on node-1
+    set_serving(scene, "chat-1-0", "false")
+    writer = ServingLabelWriter(lab.server, token_path=token, ca_path=lab.ca_path, timeout=5)
+    writer.mark_serving(ns, "chat-1-0", scene.uids["chat-1-0"])
+    writer.close()
+    assert labels_of(scene, "chat-1-0")[SERVING_LABEL] == "true"
+    other = lab.client(token.read_text())
+    status, body = other.request("PATCH", pods_path(ns, "chat-1-0"),  # and any other change RBAC allows
+                                 {"metadata": {"labels": {"team": "x", SERVING_LABEL: "false"},
+                                               "annotations": {"a": "b"}}},
                                  content_type="application/merge-patch+json")
     assert status == 200, body
     assert labels_of(scene, "chat-1-0")["team"] == "x"
