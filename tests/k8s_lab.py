@@ -461,7 +461,7 @@ class Lab:
             def established(name: str = name) -> bool:
                 crd = self.api.get(f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}")
                 return any(c["type"] == "Established" and c["status"] == "True"
-                           for c in crd.get("status", {}).get("conditions", []))
+                           for c in (crd.get("status") or {}).get("conditions") or [])
             wait_for(established, timeout=30, what=f"CRD {name} Established")
         return names
 

@@ -97,6 +97,17 @@ def test_agent_marks_an_engine_pod_on_its_own_node_serving(scene: Scene) -> None
     assert scene.writer.connections_opened == 1
 
 
+def test_writer_keeps_its_connection_open_between_promotions(scene: Scene) -> None:
+    writer = ServingLabelWriter(scene.lab.server, token_path=scene.agent.token_path, ca_path=scene.lab.ca_path,
+                                timeout=5, keepalive=0.1)
+    writer.connect()
+    wait_for(lambda: writer.keepalives_sent >= 3, timeout=10, what="keep-alive requests")
+    set_serving(scene, "chat-0-0", "false")
+    writer.mark_serving(scene.ns, "chat-0-0", scene.uids["chat-0-0"])
+    assert writer.connections_opened == 1
+    writer.close()
+
+
 def test_agent_is_denied_a_pod_on_another_node(scene: Scene, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING), pytest.raises(ServingLabelError) as err:
         scene.writer.mark_serving(scene.ns, "chat-1-0", scene.uids["chat-1-0"])

@@ -11,7 +11,8 @@ authenticated with the pod's bound service-account token and verified against th
 cluster CA, both under `/var/run/secrets/kubernetes.io/serviceaccount/` (each
 overridable: constructor arguments, or `WEIGHTCACHE_KUBE_API`, `WEIGHTCACHE_KUBE_TOKEN`,
 `WEIGHTCACHE_KUBE_CA`). No Kubernetes library: the agent image stays small. The TLS
-connection is opened ahead of time (`connect()`) and kept alive, so a promotion costs one
+connection is opened ahead of time (`connect()`) and kept open (a `GET /version` every
+`keepalive` seconds, as the API server closes idle connections), so a promotion costs one
 round trip: `mark_serving` sends the merge patch
 `{"metadata": {"uid": <uid>, "labels": {"weightcache.io/serving": "true"}}}` (the uid
 makes a replacement pod of the same name refuse it) and returns the seconds it took.
@@ -64,7 +65,8 @@ class ServingLabelWriter:
     """A kept-alive, authenticated connection to the API server that flips one pod label."""
 
     def __init__(self, api_url: str | None = None, *, token_path: str | os.PathLike[str] | None = None,
-                 ca_path: str | os.PathLike[str] | None = None, timeout: float = 2.0) -> None:
+                 ca_path: str | os.PathLike[str] | None = None, timeout: float = 2.0,
+                 keepalive: float = 30.0) -> None:
         url = api_url or in_cluster_api_url()
         if not url:
             raise ServingLabelError("no API server: KUBERNETES_SERVICE_HOST is not set and no URL was given")
@@ -84,23 +86,65 @@ class ServingLabelWriter:
         self._token = ""
         self._token_stamp: tuple[int, int, int] | None = None
         self.connections_opened = 0
+        # The API server closes connections idle for long (90 s in kube-apiserver): a cheap
+        # request every `keepalive` seconds keeps the one a promotion will use open.
+        self.keepalive = keepalive
+        self.keepalives_sent = 0
+        self._closed = threading.Event()
+        self._keeper: threading.Thread | None = None
 
     @classmethod
     def from_environment(cls, timeout: float = 2.0) -> ServingLabelWriter | None:
-        """A writer when running in a cluster (or pointed at one), else None."""
+        """A connected writer when running in a cluster (or pointed at one), else None.
+
+        A failed first connection is logged; the first write tries again.
+        """
         if not in_cluster_api_url():
             return None
-        return cls(timeout=timeout)
+        try:
+            writer = cls(timeout=timeout)
+        except ServingLabelError as e:
+            log.warning("no serving-label writer: %s", e)
+            return None
+        try:
+            writer.connect()
+        except ServingLabelError as e:
+            log.warning("API server not reachable yet (%s); the first promotion will connect", e)
+        return writer
 
     # -- connection and token ----------------------------------------------------------
 
     def connect(self) -> None:
-        """Open the TLS connection now, so that the first promotion pays no handshake."""
+        """Open the TLS connection now, so that the first promotion pays no handshake, and
+        start keeping it open."""
         with self._lock:
             self._read_token(force=False)
             self._open(time.monotonic() + self.timeout)
+        if self.keepalive > 0 and self._keeper is None:
+            self._keeper = threading.Thread(target=self._keep_open, name="serving-label-keepalive", daemon=True)
+            self._keeper.start()
+
+    def _keep_open(self) -> None:
+        while not self._closed.wait(self.keepalive):
+            with self._lock:
+                try:
+                    if not self._usable():
+                        self._open(time.monotonic() + self.timeout)
+                    conn = self._conn
+                    assert conn is not None and conn.sock is not None
+                    conn.sock.settimeout(self.timeout)
+                    conn.request("GET", "/version", headers={"Accept": "application/json"})
+                    resp = conn.getresponse()
+                    resp.read()
+                    if resp.will_close:
+                        self._drop()
+                    self.keepalives_sent += 1
+                except (ServingLabelError, http.client.HTTPException, OSError) as e:
+                    self._drop()
+                    log.debug("keeping the API connection open: %s", _one_line(e))
 
     def close(self) -> None:
+        self._closed.set()
         with self._lock:
             if self._conn is not None:
                 self._conn.close()
