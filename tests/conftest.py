@@ -29,8 +29,9 @@ def k8s_lab() -> Iterator[Lab]:
 
 @pytest.fixture(scope="session")
 def k8s_chart(k8s_lab: Lab) -> Lab:
-    """The lab with the project's Helm chart installed (release `weightcache`): the operator's
-    RBAC, the agent's ClusterRole and the ValidatingAdmissionPolicy. Needs helm-sdkpy."""
+    """The lab with the project's Helm chart installed (release `weightcache` in namespace
+    `weightcache-system`): the operator's RBAC, the agent's ClusterRole and the
+    ValidatingAdmissionPolicy; its operator Deployment scaled to 0. Needs helm-sdkpy."""
     import os
 
     from k8s_lab import install_or_upgrade_chart
@@ -42,4 +43,7 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
             raise
         pytest.skip(f"helm-sdkpy not available: {e}")
     install_or_upgrade_chart(k8s_lab)
+    # No pod for the chart's operator Deployment: a test that needs the operator runs it as a
+    # local process against the lab, and a fake kubelet must not find an operator pod to run.
+    k8s_lab.kubectl("-n", "weightcache-system", "scale", "deployment", "--all", "--replicas=0")
     return k8s_lab
