@@ -117,12 +117,15 @@ class ServingLabelWriter:
     def connect(self) -> None:
         """Open the TLS connection now, so that the first promotion pays no handshake, and
         start keeping it open."""
-        with self._lock:
-            self._read_token(force=False)
-            self._open(time.monotonic() + self.timeout)
-        if self.keepalive > 0 and self._keeper is None:
-            self._keeper = threading.Thread(target=self._keep_open, name="serving-label-keepalive", daemon=True)
-            self._keeper.start()
+        try:
+            with self._lock:
+                self._read_token(force=False)
+                self._open(time.monotonic() + self.timeout)
+        finally:  # when the server is not there yet, the keeper goes on trying
+            if self.keepalive > 0 and self._keeper is None:
+                self._keeper = threading.Thread(target=self._keep_open, name="serving-label-keepalive",
+                                                daemon=True)
+                self._keeper.start()
 
     def _keep_open(self) -> None:
         while not self._closed.wait(self.keepalive):
