@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,23 @@ def test_agent_marks_an_engine_pod_on_its_own_node_serving(scene: Scene) -> None
         set_serving(scene, "chat-0-0", "false")
         scene.writer.mark_serving(scene.ns, "chat-0-0", scene.uids["chat-0-0"])
     assert scene.writer.connections_opened == 1
+
+
+def test_writer_from_the_pods_environment(scene: Scene, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("KUBERNETES_SERVICE_HOST", "WEIGHTCACHE_KUBE_API"):
+        monkeypatch.delenv(var, raising=False)
+    assert ServingLabelWriter.from_environment() is None  # not in a cluster: no writer, no error
+    server = urllib.parse.urlsplit(scene.lab.server)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", server.hostname or "")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.port))
+    monkeypatch.setenv("WEIGHTCACHE_KUBE_TOKEN", str(scene.agent.token_path))
+    monkeypatch.setenv("WEIGHTCACHE_KUBE_CA", str(scene.lab.ca_path))
+    writer = ServingLabelWriter.from_environment()
+    assert writer is not None and writer.connections_opened == 1  # connected ahead of the first promotion
+    set_serving(scene, "chat-0-0", "false")
+    writer.mark_serving(scene.ns, "chat-0-0", scene.uids["chat-0-0"])
+    assert labels_of(scene, "chat-0-0")[SERVING_LABEL] == "true" and writer.connections_opened == 1
+    writer.close()
 
 
 def test_writer_keeps_its_connection_open_between_promotions(scene: Scene) -> None:
