@@ -24,10 +24,14 @@ A second thread, the only one that writes pod status, probes every ``probe_inter
 seconds: Ready when the process is alive (or there is none) and the readiness probe
 passes (``httpGet`` on 127.0.0.1 answering 2xx/3xx, ``tcpSocket`` connecting, ``exec``
 exiting 0). A process that exits turns its pod Succeeded (status 0) or Failed, not
-ready. The status carries a pod IP from 10.244.0.0/16, unique in the test process:
-EndpointSlices refuse loopback addresses, so a pod's IP is a name, while its process
-listens on 127.0.0.1. When a pod gets a deletion timestamp, its process group gets
-SIGTERM, then SIGKILL after the grace period (capped by ``kill_timeout``), and the pod
+ready, unless its ``restartPolicy`` (``Always`` by default, or ``OnFailure`` after a
+failure) asks for a restart: then the pod stays Running and not ready, and the command
+runs again after ``restart_delay`` seconds (``restartCount``, ``lastState`` recorded);
+it is Ready again once the probe passes. The status carries a pod IP from
+10.244.0.0/16, unique in the test process: EndpointSlices refuse loopback addresses, so
+a pod's IP is a name, while its process listens on 127.0.0.1. When a pod gets a deletion
+timestamp, its process group gets SIGTERM, then SIGKILL after the grace period (capped
+by ``kill_timeout``), and the pod
 is force-deleted with its uid as precondition, as a kubelet confirms the end.
 """
 from __future__ import annotations
@@ -81,8 +85,12 @@ class PodRun:
     started: str = field(default_factory=_now)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
-    reported: tuple[str, bool, int | None] | None = None  # (phase, ready, exit code) last written
+    reported: tuple[str, bool, int | None, int] | None = None  # (phase, ready, exit code, restarts) written
+    container_started: str = field(default_factory=_now)
     finished: str | None = None
+    exited: float | None = None  # monotonic time the process was seen gone (restart pending)
+    restarts: int = 0
+    last_exit: dict[str, Any] | None = None  # the previous container's end, for lastState
     deleting: bool = False
 
     @property
@@ -95,7 +103,8 @@ class FakeKubelet:
 
     def __init__(self, lab: Lab, nodes: list[str] | None = None, *, namespace: str | None = None,
                  label_selector: str | None = None, run_commands: bool = True, probe_interval: float = 0.1,
-                 kill_timeout: float = 5.0, log_dir: Path | None = None, inherit_env: bool = True) -> None:
+                 kill_timeout: float = 5.0, log_dir: Path | None = None, inherit_env: bool = True,
+                 restart_delay: float = 0.5) -> None:
         self.lab = lab
         self.api: ApiClient = lab.api
         self.nodes = set(nodes or lab.nodes)
@@ -105,6 +114,7 @@ class FakeKubelet:
         self.probe_interval = probe_interval
         self.kill_timeout = kill_timeout
         self.inherit_env = inherit_env
+        self.restart_delay = restart_delay
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="fake-kubelet-"))
         self.pods: dict[str, PodRun] = {}  # by uid
         self._lock = threading.Lock()
@@ -222,7 +232,7 @@ class FakeKubelet:
                              or _next_pod_ip())
                 self.pods[uid] = run
                 if phase in ("Succeeded", "Failed"):
-                    run.reported = (phase, False, None)  # finished before we came: leave it
+                    run.reported = (phase, False, None, 0)  # finished before we came: leave it
                 elif not meta.get("deletionTimestamp"):
                     self._launch(run)
             else:
@@ -300,6 +310,7 @@ class FakeKubelet:
         argv = [_expand(a, env) for a in (c.get("command") or []) + (c.get("args") or [])]
         run.log_path = self.log_dir / f"{run.namespace}_{run.name}.log"
         cwd = c.get("workingDir") if c.get("workingDir") and os.path.isdir(c["workingDir"]) else None
+        run.container_started = _now()
         with open(run.log_path, "ab") as out:
             out.write(f"# {_now()} {shlex.join(argv)}\n".encode())
             out.flush()
@@ -365,28 +376,48 @@ class FakeKubelet:
                 return False
         return True
 
-    def _desired(self, run: PodRun) -> tuple[str, bool, int | None]:
+    def _restarts_after(self, run: PodRun, code: int) -> bool:
+        policy = run.pod.get("spec", {}).get("restartPolicy") or "Always"
+        return policy == "Always" or (policy == "OnFailure" and code != 0)
+
+    def _desired(self, run: PodRun) -> tuple[str, bool, int | None, int]:
         containers = run.pod.get("spec", {}).get("containers", [])
         if run.proc is not None:
             code = run.proc.poll()
             if code is not None:
                 run.finished = run.finished or _now()
-                return ("Succeeded" if code == 0 else "Failed"), False, code
-        return "Running", bool(containers) and self._probe_ok(run, containers[0]), None
+                if not self._restarts_after(run, code):
+                    return ("Succeeded" if code == 0 else "Failed"), False, code, run.restarts
+                if run.exited is None:
+                    run.exited = time.monotonic()
+                if time.monotonic() - run.exited < self.restart_delay:
+                    return "Running", False, code, run.restarts  # not ready, waiting to restart
+                run.last_exit = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                                "startedAt": run.container_started, "finishedAt": run.finished}}
+                run.restarts += 1
+                run.exited = run.finished = None
+                self._launch(run)
+        return "Running", bool(containers) and self._probe_ok(run, containers[0]), None, run.restarts
 
-    def _status(self, run: PodRun, phase: str, ready: bool, code: int | None) -> dict[str, Any]:
+    def _status(self, run: PodRun, phase: str, ready: bool, code: int | None, restarts: int) -> dict[str, Any]:
         now = _now()
         flag = "True" if ready else "False"
         statuses = []
         for i, c in enumerate(run.pod.get("spec", {}).get("containers", [])):
-            if i == 0 and code is not None:
+            last: dict[str, Any] = {}
+            if i == 0 and code is not None and phase != "Running":
                 state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
-                                        "startedAt": run.started, "finishedAt": run.finished or now}}
+                                        "startedAt": run.container_started, "finishedAt": run.finished or now}}
+            elif i == 0 and code is not None:
+                state = {"waiting": {"reason": "CrashLoopBackOff"}}
+                last = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error",
+                                       "startedAt": run.container_started, "finishedAt": run.finished or now}}
             else:
-                state = {"running": {"startedAt": run.started}}
+                state = {"running": {"startedAt": run.container_started if i == 0 else run.started}}
+                last = (run.last_exit or {}) if i == 0 else {}
             statuses.append({"name": c["name"], "image": c.get("image", ""), "imageID": "",
-                             "ready": ready if i == 0 else code is None, "restartCount": 0,
-                             "started": code is None, "state": state})
+                             "ready": ready if i == 0 else phase == "Running", "restartCount": restarts if i == 0 else 0,
+                             "started": "running" in state, "state": state, "lastState": last})
         return {"status": {
             "phase": phase, "podIP": run.ip, "podIPs": [{"ip": run.ip}],
             "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}], "startTime": run.started,

@@ -58,7 +58,7 @@ def test_runs_the_command_with_the_pods_env_and_probes_readiness(k8s_lab: Lab, n
     env_out, ready_file = tmp_path / "env.json", tmp_path / "ready"
     k8s_lab.api.create(pods_path(ns), {
         "metadata": {"name": "engine", "labels": {"weightcache.io/group": "3"}},
-        "spec": {"nodeName": "node-1", "containers": [{
+        "spec": {"nodeName": "node-1", "restartPolicy": "Never", "containers": [{
             "name": "engine", "image": "engine:1",
             "command": [sys.executable, "-c", ENGINE], "args": ["$(PORT)", str(env_out)],
             "env": [
@@ -103,6 +103,24 @@ def test_runs_the_command_with_the_pods_env_and_probes_readiness(k8s_lab: Lab, n
                       timeout=10, what="phase Failed")
     assert ready(status) is False
     assert status["containerStatuses"][0]["state"]["terminated"]["exitCode"] == -9
+
+
+def test_a_container_that_exits_is_restarted_under_restart_policy_always(k8s_lab: Lab, ns: str,
+                                                                        kubelet: FakeKubelet, tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    k8s_lab.api.create(pods_path(ns), {
+        "metadata": {"name": "crashy"},
+        "spec": {"nodeName": "node-1", "containers": [{  # restartPolicy: Always, the default
+            # "$$" is the kubelet's escape of "$": the shell sees "echo $$"
+            "name": "c", "image": "x", "command": ["sh", "-c", f"echo $$$$ >> {runs}; sleep 0.5; exit 3"]}]},
+    })
+    def restarted_twice() -> dict[str, Any] | None:
+        s = pod_status(k8s_lab, ns, "crashy")
+        return s if s.get("containerStatuses", [{}])[0].get("restartCount", 0) >= 2 else None
+    status = wait_for(restarted_twice, timeout=15, what="two restarts")
+    assert status["phase"] == "Running"
+    assert status["containerStatuses"][0]["lastState"]["terminated"]["exitCode"] == 3
+    assert len(set(runs.read_text().split())) >= 3  # a new process each time
 
 
 def test_deleting_a_pod_stops_its_process_and_confirms_the_deletion(k8s_lab: Lab, ns: str,
