@@ -303,6 +303,13 @@ class Worker:
 
     # -- reporting ---------------------------------------------------------------------------
 
+    def live_leases(self) -> list[dict[str, Any]]:
+        """The leases as the worker has them now (the polled status may be a tick old)."""
+        try:
+            return agent_status(self.socket, timeout=POLL_TIMEOUT).get("clients") or []
+        except WeightCacheError:
+            return []
+
     def to_json(self) -> dict[str, Any]:
         status = self.status or {}
         progress = status.get("progress") or {}
@@ -457,7 +464,7 @@ class NodeSupervisor:
     def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]:
         """A planned switchover of `group` on every rank whose engines hold its leases, in rank order."""
         holders = sorted((w for w in self.workers if any(
-            lease.get("group") == group for lease in (w.status or {}).get("clients") or [])), key=lambda w: w.rank)
+            lease.get("group") == group for lease in w.live_leases())), key=lambda w: w.rank)
         if not holders:
             return {"ok": False, "group": group, "ranks": [], "seconds": 0.0,
                     "message": f"no engine of group {group!r} is attached on this node"}
