@@ -91,6 +91,7 @@ class NodeConfig:
     handshake_timeout: float = 10.0
     log_format: str = "text"
     node_name: str = ""
+    label_pods: str = "auto"
 
     def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
@@ -98,7 +99,7 @@ class NodeConfig:
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
                 "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
                 "--handshake-timeout", str(self.handshake_timeout),
-                "--log-format", self.log_format, "--progress", "never"]
+                "--log-format", self.log_format, "--progress", "never", "--label-pods", self.label_pods]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
         if self.revision:
@@ -538,7 +539,8 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel,
-                        handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name)
+                        handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
+                        label_pods=args.label_pods)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
