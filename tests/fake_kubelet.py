@@ -33,6 +33,18 @@ a pod's IP is a name, while its process listens on 127.0.0.1. When a pod gets a 
 timestamp, its process group gets SIGTERM, then SIGKILL after the grace period (capped
 by ``kill_timeout``), and the pod
 is force-deleted with its uid as precondition, as a kubelet confirms the end.
+
+Several pods of several nodes share this machine's filesystem and loopback, where a
+cluster gives each pod its own mounts and network namespace. Three options stand in
+for that (all off by default): ``host_root`` gives each node a directory of its own,
+and a ``hostPath`` volume of a pod is that node's ``<host_root>/<node><path>``
+(created for ``DirectoryOrCreate``), with the volume's ``mountPath`` replaced by it in
+command, args and env values, so a process finds at its host path what the container
+would find at the mount; a container that names ``$(HOST_PORT_<NAME>)`` (its port
+``<name>`` upper-cased, ``-`` as ``_``) gets a free loopback port in that variable, and
+its probes on that port go there; pods matching ``loopback_labels`` get ``127.0.0.1``
+as their pod IP (for pods reached by IP, such as a node agent, and selected by no
+Service). ``argv_hook`` lets a test adjust a command for this machine.
 """
 from __future__ import annotations
 
@@ -52,6 +64,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from k8s_lab import ApiClient, ApiError, Lab, pods_path
@@ -92,6 +105,7 @@ class PodRun:
     restarts: int = 0
     last_exit: dict[str, Any] | None = None  # the previous container's end, for lastState
     deleting: bool = False
+    host_ports: dict[int, int] = field(default_factory=dict)  # containerPort -> loopback port it listens on
 
     @property
     def key(self) -> str:
@@ -104,7 +118,9 @@ class FakeKubelet:
     def __init__(self, lab: Lab, nodes: list[str] | None = None, *, namespace: str | None = None,
                  label_selector: str | None = None, run_commands: bool = True, probe_interval: float = 0.1,
                  kill_timeout: float = 5.0, log_dir: Path | None = None, inherit_env: bool = True,
-                 restart_delay: float = 0.5) -> None:
+                 restart_delay: float = 0.5, host_root: Path | None = None,
+                 loopback_labels: dict[str, str] | None = None,
+                 argv_hook: Callable[[dict[str, Any], list[str]], list[str]] | None = None) -> None:
         self.lab = lab
         self.api: ApiClient = lab.api
         self.nodes = set(nodes or lab.nodes)
@@ -115,6 +131,9 @@ class FakeKubelet:
         self.kill_timeout = kill_timeout
         self.inherit_env = inherit_env
         self.restart_delay = restart_delay
+        self.host_root = host_root
+        self.loopback_labels = loopback_labels
+        self.argv_hook = argv_hook
         self.log_dir = log_dir or Path(tempfile.mkdtemp(prefix="fake-kubelet-"))
         self.pods: dict[str, PodRun] = {}  # by uid
         self._lock = threading.Lock()
@@ -229,7 +248,7 @@ class FakeKubelet:
             elif run is None:
                 phase = pod.get("status", {}).get("phase")
                 run = PodRun(meta["namespace"], meta["name"], uid, pod, pod.get("status", {}).get("podIP")
-                             or _next_pod_ip())
+                             or self._pod_ip(pod))
                 self.pods[uid] = run
                 if phase in ("Succeeded", "Failed"):
                     run.reported = (phase, False, None, 0)  # finished before we came: leave it
@@ -246,6 +265,61 @@ class FakeKubelet:
             threading.Thread(target=self._finalize, args=(run,), name=f"finalize-{run.name}", daemon=True).start()
 
     # -- processes -----------------------------------------------------------------------
+
+    def _pod_ip(self, pod: dict[str, Any]) -> str:
+        labels = pod["metadata"].get("labels") or {}
+        if self.loopback_labels and all(labels.get(k) == v for k, v in self.loopback_labels.items()):
+            return "127.0.0.1"
+        return _next_pod_ip()
+
+    def host_path(self, node: str, path: str) -> Path:
+        """Where node `node`'s host path `path` is on this machine (with `host_root`)."""
+        if self.host_root is None:
+            return Path(path)
+        return self.host_root / node / path.lstrip("/")
+
+    def _mounts(self, run: PodRun, container: dict[str, Any]) -> list[tuple[str, str]]:
+        """(mountPath, host directory) of the container's hostPath volumes, longest mount first."""
+        if self.host_root is None:
+            return []
+        spec = run.pod.get("spec", {})
+        volumes = {v["name"]: v for v in spec.get("volumes") or []}
+        out = []
+        for m in container.get("volumeMounts") or []:
+            host = (volumes.get(m["name"]) or {}).get("hostPath")
+            if not host:
+                continue
+            local = self.host_path(spec.get("nodeName", ""), host["path"])
+            if host.get("type") == "DirectoryOrCreate":
+                local.mkdir(parents=True, exist_ok=True)
+            out.append((m["mountPath"].rstrip("/") or "/", str(local)))
+        return sorted(out, key=lambda x: -len(x[0]))
+
+    @staticmethod
+    def _remap(value: str, mounts: list[tuple[str, str]]) -> str:
+        """A container path (alone, or after `=` or `:`) under a mount, as its host path."""
+        def one(text: str) -> str:
+            for mount, local in mounts:
+                if text == mount or text.startswith(mount + "/"):
+                    return local + text[len(mount):]
+            return text
+        return re.sub(r"(^|[=:])(/[^=:]*)", lambda m: m.group(1) + one(m.group(2)), value)
+
+    def _assign_ports(self, run: PodRun, container: dict[str, Any]) -> dict[str, str]:
+        """HOST_PORT_<NAME> for each named port the container asks for; the same port across restarts."""
+        text = " ".join((container.get("command") or []) + (container.get("args") or [])
+                        + [str(v.get("value", "")) for v in container.get("env") or []])
+        env = {}
+        for p in container.get("ports") or []:
+            if not p.get("name"):
+                continue
+            var = "HOST_PORT_" + p["name"].upper().replace("-", "_")
+            if f"$({var})" not in text:
+                continue
+            if p["containerPort"] not in run.host_ports:
+                run.host_ports[p["containerPort"]] = _free_port()
+            env[var] = str(run.host_ports[p["containerPort"]])
+        return env
 
     def _field(self, pod: dict[str, Any], run: PodRun, path: str) -> str | None:
         meta, spec = pod["metadata"], pod.get("spec", {})
@@ -284,9 +358,11 @@ class FakeKubelet:
     def container_env(self, pod: dict[str, Any], run: PodRun, container: dict[str, Any]) -> dict[str, str]:
         env = dict(os.environ) if self.inherit_env else {}
         env.update(self.service_account_env(run))
+        env.update(self._assign_ports(run, container))
+        mounts = self._mounts(run, container)
         for var in container.get("env", []):
             if "value" in var:
-                value: str | None = _expand(var["value"], env)
+                value: str | None = self._remap(_expand(var["value"], env), mounts)
             else:
                 ref = (var.get("valueFrom") or {}).get("fieldRef")
                 value = self._field(pod, run, ref["fieldPath"]) if ref else None
@@ -307,7 +383,10 @@ class FakeKubelet:
             return
         c = containers[0]
         env = self.container_env(run.pod, run, c)
-        argv = [_expand(a, env) for a in (c.get("command") or []) + (c.get("args") or [])]
+        mounts = self._mounts(run, c)
+        argv = [self._remap(_expand(a, env), mounts) for a in (c.get("command") or []) + (c.get("args") or [])]
+        if self.argv_hook is not None:
+            argv = self.argv_hook(run.pod, argv)
         run.log_path = self.log_dir / f"{run.namespace}_{run.name}.log"
         cwd = c.get("workingDir") if c.get("workingDir") and os.path.isdir(c["workingDir"]) else None
         run.container_started = _now()
@@ -353,6 +432,7 @@ class FakeKubelet:
         if "httpGet" in probe:
             get = probe["httpGet"]
             port = _port(get.get("port"), container)
+            port = run.host_ports.get(port, port)
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
                 conn.request("GET", get.get("path", "/"))
@@ -363,8 +443,8 @@ class FakeKubelet:
                 return False
         if "tcpSocket" in probe:
             try:
-                socket.create_connection(("127.0.0.1", _port(probe["tcpSocket"].get("port"), container)),
-                                         timeout=timeout).close()
+                port = _port(probe["tcpSocket"].get("port"), container)
+                socket.create_connection(("127.0.0.1", run.host_ports.get(port, port)), timeout=timeout).close()
                 return True
             except OSError:
                 return False
@@ -448,6 +528,12 @@ class FakeKubelet:
                         self.errors.append(f"status {run.key}: {e}")
                 except Exception as e:  # a dropped connection: next tick retries
                     self.errors.append(f"status {run.key}: {e}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _port(port: Any, container: dict[str, Any]) -> int:

@@ -1,0 +1,435 @@
+"""End-to-end failover on a real control plane: from the kill of a primary engine to its Service.
+
+What meets here, all real: the operator (kopf, in this process, with the chart's settings
+and its service account's token), the API server, scheduler and controllers (DaemonSet,
+EndpointSlice, garbage collector), a node agent (the DaemonSet's pod, run as a local
+process, cpu backend, with the token bound to its pod) and the reference engines (the
+EngineSet's pods, local processes that attach to the agent). The fake kubelet
+(`tests/fake_kubelet.py`) plays node-1: it runs the pods, mirrors their readiness into the
+API, restarts a dead container (restartPolicy Always), gives every hostPath volume a
+directory of node-1's own and every engine its own loopback port.
+
+How data flows in one trial: SIGKILL of a group's primary engine -> the kernel closes its
+lease socket -> the agent promotes the group's standby (socket message, acknowledged) ->
+rank 0 makes its one API write, the standby's `weightcache.io/serving=true` -> the
+EndpointSlice controller lists the standby as a ready endpoint of the Service. Timed:
+kill -> the EndpointSlice event that lists the standby ready (watched; the time is taken
+as the event arrives), and kill -> the agent reporting the standby's lease as `primary`
+(its socket's `status`, polled every 2 ms). The killed container then restarts, attaches
+as the group's standby, and the operator's reconcile moves its stale `serving=true` to
+`false`; the next trial on that group waits for all of that. Trials alternate between the
+two groups, so one group's restart overlaps the other's trial. Every EndpointSlice change
+during the trials is kept: a group must never be left with no ready serving endpoint.
+
+    python bench/failover_e2e_k8s.py --trials 50
+
+starts a control plane with `../shared/k8s` (or reuses WEIGHTCACHE_K8S_LAB), installs the
+chart (helm-sdkpy), prints the table and stops everything it started.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+for p in (REPO / "tests", REPO / "node_agent", REPO / "operator"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import yaml  # noqa: E402
+
+from fake_kubelet import FakeKubelet  # noqa: E402
+from k8s_lab import Lab, pods_path, wait_for  # noqa: E402
+
+
+def _sibling(name: str) -> Any:
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+failover_k8s = _sibling("failover_k8s")
+SliceWatch = failover_k8s.SliceWatch
+percentile = failover_k8s.percentile
+
+NODE = "node-1"
+CACHE = "wc"
+ENGINESET = "chat"
+MODEL_ROOT = "/srv/models"  # the operator's model root: node-1's host path, under the kubelet's root
+MODEL = "small"
+BAR_P99_S = 0.200
+GOAL_P99_S = 0.100
+WC = "/apis/weightcache.io/v1alpha1"
+SERVING = "weightcache.io/serving"
+AGENT_LABELS = {"app.kubernetes.io/name": "weightcache-agent"}
+SMALL_LLAMA = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+
+
+def engine_template(extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The EngineSet's pod template: the reference engine, attaching from the injected environment.
+
+    The engine listens on the loopback port the kubelet gives the pod (`$(HOST_PORT_HTTP)`):
+    every pod of the node shares one loopback here. Readiness is `/readyz?role=any`: a warm
+    standby is Ready, so the serving label alone decides what the Service routes to.
+    """
+    return {"metadata": {"labels": {"app": ENGINESET}}, "spec": {
+        "terminationGracePeriodSeconds": 2,
+        "containers": [{
+            "name": "engine", "image": "ghcr.io/weightcache/agent:0.1.0",
+            "command": [sys.executable, "-m", "weightcache_agent", "engine"],
+            "args": ["--mode", "client", "--role", "auto", "--model", f"/models/{MODEL}", "--host", "127.0.0.1",
+                     "--port", "$(HOST_PORT_HTTP)", "--threads", "1", "--drain-seconds", "1", *extra_args],
+            "ports": [{"name": "http", "containerPort": 8000}],
+            "readinessProbe": {"httpGet": {"path": "/readyz?role=any", "port": "http"}, "periodSeconds": 1},
+        }]}}
+
+
+@dataclass
+class Trial:
+    group: int
+    killed: str
+    promoted: str
+    endpoint_s: float   # kill -> the EndpointSlice lists the promoted standby as ready
+    promotion_s: float  # kill -> the agent holds the standby's lease as primary
+
+
+@dataclass
+class Results:
+    trials: list[Trial] = field(default_factory=list)
+    slice_changes: int = 0  # EndpointSlice states seen during the trials
+    empty_groups: list[tuple[float, int, list[str]]] = field(default_factory=list)  # (s from start, group, ready)
+    wall_s: float = 0.0
+
+    @property
+    def endpoint(self) -> list[float]:
+        return [t.endpoint_s for t in self.trials]
+
+    @property
+    def promotion(self) -> list[float]:
+        return [t.promotion_s for t in self.trials]
+
+
+def group_of(pod: str) -> int:
+    """`<engineset>-<group>-<slot>` -> group."""
+    return int(pod.rsplit("-", 2)[1])
+
+
+class EndToEnd:
+    """The operator, the fake kubelet of node-1 (agent + engines), a WeightCache and an EngineSet.
+
+    A context manager: on entry everything is created and running (four engine pods, the
+    Service's EndpointSlice listing one primary per group); on exit the processes are
+    stopped, the resources deleted while the operator still runs (its finalizer), and the
+    namespace removed.
+    """
+
+    def __init__(self, lab: Lab, *, replicas: int = 2, standbys: int = 1, poll_interval: float = 1.0,
+                 probe_interval: float = 0.1) -> None:
+        self.lab = lab
+        self.api = lab.api
+        self.replicas, self.standbys = replicas, standbys
+        self.poll_interval = poll_interval
+        self.probe_interval = probe_interval
+        self.stack = contextlib.ExitStack()
+        self.ns = ""
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def __enter__(self) -> EndToEnd:
+        try:
+            self._start()
+        except BaseException:
+            self.stack.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stack.close()
+
+    def _start(self) -> None:
+        from kopf.testing import KopfRunner
+
+        from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+        from weightcache_operator import manifests
+        from weightcache_operator.config import OperatorConfig
+        from weightcache_operator.handlers import build_registry, build_settings
+
+        lab, api = self.lab, self.api
+        self.ns = ns = lab.namespace("e2e")
+        self.stack.callback(lab.delete_namespace, ns)
+        self.root = Path(tempfile.mkdtemp(prefix="wc-e2e-"))  # short: socket paths stay < 108 bytes
+        self.stack.callback(shutil.rmtree, self.root, True)
+        write_llama_checkpoint(str(self.root / NODE / MODEL_ROOT.lstrip("/") / MODEL), LlamaShape(**SMALL_LLAMA),
+                               seed=3)
+
+        # node-1 alone runs this cache's agent; the engines' runtime class exists.
+        lab.kubectl("label", "node", NODE, f"weightcache.io/e2e={ns}", "--overwrite")
+        self.stack.callback(lab.kubectl, "label", "node", NODE, "weightcache.io/e2e-", check=False)
+        lab.apply({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
+                   "handler": "nvidia"})
+
+        # Every fake node shares this machine's loopback: the agent's HTTP port is a free one.
+        old_port = manifests.AGENT_HTTP_PORT
+        manifests.AGENT_HTTP_PORT = _free_port()
+        self.stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
+
+        self.kubelet = FakeKubelet(lab, [NODE], namespace=ns, host_root=self.root, loopback_labels=AGENT_LABELS,
+                                   argv_hook=self._agent_argv, probe_interval=self.probe_interval,
+                                   log_dir=self.root / "logs", kill_timeout=3.0)
+        (self.root / "logs").mkdir()
+
+        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0)
+        registry, _ = build_registry(config, kubeconfig=str(self._operator_kubeconfig()))
+        runner = KopfRunner(["run", "--standalone", "--namespace", ns], registry=registry,
+                            settings=build_settings(), timeout=60)
+        runner.__enter__()
+        self.runner = runner
+        self.stack.callback(self._stop_operator)
+        self.stack.callback(self._delete_resources)  # runs before the operator stops
+        self.kubelet.start()
+        self.stack.callback(self.kubelet.stop)        # and first of all: the processes
+
+        api.create(f"{WC}/namespaces/{ns}/weightcaches", {
+            "apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": CACHE},
+            "spec": {"model": {"path": MODEL}, "parallelism": {"tensor": 1},
+                     "nodeSelector": {"weightcache.io/e2e": ns}}})
+        self.create_engineset()
+        self.watch = SliceWatch(lab, ns, ENGINESET).start()
+        self.stack.callback(self.watch.close)
+        self.wait_settled(range(self.replicas), timeout=120)
+
+    def create_engineset(self) -> None:
+        self.api.create(f"{WC}/namespaces/{self.ns}/enginesets", {
+            "apiVersion": "weightcache.io/v1alpha1", "kind": "EngineSet", "metadata": {"name": ENGINESET},
+            "spec": {"cacheRef": {"name": CACHE}, "replicas": self.replicas, "standbys": self.standbys,
+                     "service": {"port": 8000}, "gpuBinding": {"mode": "visibleDevices"},
+                     "template": engine_template()}})
+
+    @staticmethod
+    def _agent_argv(pod: dict[str, Any], argv: list[str]) -> list[str]:
+        # The cpu backend has no GPUs to count: this agent stands for a node with two, one
+        # replica of the (TP 1) cache on each.
+        labels = pod["metadata"].get("labels") or {}
+        if all(labels.get(k) == v for k, v in AGENT_LABELS.items()):
+            return [*argv, "--replicas", "2"]
+        return argv
+
+    def _operator_kubeconfig(self) -> Path:
+        """The operator authenticates as the chart's service account: every call goes through its RBAC."""
+        token = self.lab.bound_token("weightcache-system", "weightcache")
+        path = self.root / "operator.kubeconfig"
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+            "clusters": [{"name": "lab", "cluster": {"server": self.lab.server,
+                                                     "certificate-authority": str(self.lab.ca_path)}}],
+            "users": [{"name": "operator", "user": {"token": token}}],
+            "contexts": [{"name": "operator", "context": {"cluster": "lab", "user": "operator"}}]}))
+        return path
+
+    def _delete_resources(self) -> None:
+        for plural, name in (("enginesets", ENGINESET), ("weightcaches", CACHE)):
+            self.api.delete(f"{WC}/namespaces/{self.ns}/{plural}/{name}")
+        for plural, name in (("enginesets", ENGINESET), ("weightcaches", CACHE)):
+            with contextlib.suppress(TimeoutError):
+                wait_for(lambda p=plural, n=name: self.api.get_or_none(f"{WC}/namespaces/{self.ns}/{p}/{n}") is None,
+                         timeout=20, what=f"{plural}/{name} gone")
+
+    def _stop_operator(self) -> None:
+        self.runner.__exit__(None, None, None)
+
+    # -- what the trials read ------------------------------------------------------------
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.api.get(pods_path(self.ns), labelSelector=f"weightcache.io/engineset={ENGINESET}")["items"]
+
+    def socket_path(self, device: str) -> str:
+        from weightcache_operator.manifests import socket_dir
+
+        return str(self.kubelet.host_path(NODE, socket_dir(self.ns, CACHE)) / f"{device}.sock")
+
+    def leases(self, device: str) -> dict[str, str]:
+        """pod name -> role, as the agent's worker for `device` holds them."""
+        from weightcache_agent.protocol import agent_status
+
+        try:
+            status = agent_status(self.socket_path(device), timeout=2)
+        except (OSError, ValueError):
+            return {}
+        return {c["pod"]["name"]: c["role"] for c in status.get("clients") or [] if c.get("pod")}
+
+    def settled(self, group: int) -> tuple[str, str, str] | None:
+        """(primary, standby, device) once the group is whole: both pods Ready, the agent holds one as
+        primary and one as standby, the labels say so, and the EndpointSlice lists the primary only."""
+        pods = [p for p in self.pods() if p["metadata"]["labels"].get("weightcache.io/group") == str(group)
+                and not p["metadata"].get("deletionTimestamp")]
+        if len(pods) != 1 + self.standbys:
+            return None
+        if not all(any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions") or [])
+                   for p in pods):
+            return None
+        device = pods[0]["metadata"].get("annotations", {}).get("weightcache.io/gpus", "")
+        roles = self.leases(device)
+        primary = [p["metadata"]["name"] for p in pods if roles.get(p["metadata"]["name"]) == "primary"]
+        standby = [p["metadata"]["name"] for p in pods if roles.get(p["metadata"]["name"]) == "standby"]
+        if len(primary) != 1 or len(standby) != self.standbys:
+            return None
+        labels = {p["metadata"]["name"]: p["metadata"]["labels"].get(SERVING) for p in pods}
+        if labels[primary[0]] != "true" or any(labels[s] != "false" for s in standby):
+            return None
+        ready = {n for n in self.watch.current() if group_of(n) == group}
+        if ready != {primary[0]}:
+            return None
+        return primary[0], standby[0], device
+
+    def wait_settled(self, groups: Any, timeout: float = 60) -> dict[int, tuple[str, str, str]]:
+        return {g: wait_for(lambda g=g: self.settled(g), timeout=timeout, interval=0.05, what=f"group {g} settled")
+                for g in groups}
+
+    # -- the trials ----------------------------------------------------------------------
+
+    def kill_and_time(self, group: int) -> Trial:
+        """SIGKILL the group's primary; time the agent's promotion and the EndpointSlice."""
+        from weightcache_agent.protocol import agent_status
+
+        primary, standby, device = self.wait_settled([group], timeout=60)[group]
+        sock = self.socket_path(device)
+        seen: list[float] = []
+        go = threading.Event()
+        t0 = [0.0]
+
+        def poll() -> None:
+            go.set()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                try:
+                    clients = agent_status(sock, timeout=1).get("clients") or []
+                except (OSError, ValueError):
+                    clients = []
+                now = time.perf_counter()
+                if t0[0] and any(c.get("pod", {}).get("name") == standby and c.get("role") == "primary"
+                                 for c in clients if c.get("pod")):
+                    seen.append(now)
+                    return
+                time.sleep(0.002)
+
+        poller = threading.Thread(target=poll, name="promotion-poll", daemon=True)
+        poller.start()
+        go.wait()
+        t0[0] = time.perf_counter()
+        self.kubelet.kill(self.ns, primary)
+        t_ep = self.watch.wait_until(lambda eps: standby in eps, since=t0[0], timeout=10)
+        poller.join(timeout=10)
+        if not seen:
+            raise TimeoutError(f"the agent never reported {standby} primary")
+        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0])
+
+    def measure(self, trials: int, *, warmup: int = 2, progress: bool = False) -> Results:
+        """`warmup` + `trials` failovers, alternating between the groups; the EndpointSlice checked
+        for groups without a ready serving endpoint over the counted trials."""
+        results = Results()
+        start = 0.0
+        for i in range(-warmup, trials):
+            if i == 0:
+                start = time.perf_counter()
+                results = Results()
+            trial = self.kill_and_time(i % self.replicas)
+            if i >= 0:
+                results.trials.append(trial)
+            if progress and i >= 0 and (i + 1) % 10 == 0:
+                print(f"  {i + 1}/{trials} trials", file=sys.stderr)
+        self.wait_settled(range(self.replicas), timeout=60)
+        results.wall_s = time.perf_counter() - start
+        results.slice_changes, results.empty_groups = self.empty_groups(start)
+        return results
+
+    def empty_groups(self, since: float) -> tuple[int, list[tuple[float, int, list[str]]]]:
+        """Every EndpointSlice state from `since` on (the one in force then included) in which a group
+        has no ready serving endpoint."""
+        history = list(self.watch.history)
+        before = [h for h in history if h[0] < since]
+        states = ([(since, before[-1][1])] if before else []) + [h for h in history if h[0] >= since]
+        empty = []
+        for t, eps in states:
+            for g in range(self.replicas):
+                if not any(group_of(n) == g for n in eps):
+                    empty.append((t - since, g, sorted(eps)))
+        return len(states), empty
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def table(r: Results) -> str:
+    def ms(x: float) -> str:
+        return f"{x * 1000:7.1f}"
+    lines = [f"{'kill of a primary ->':<44} {'trials':>6} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'mean ms':>7}"]
+    for name, v in (("EndpointSlice lists the standby ready", r.endpoint),
+                    ("agent holds the standby as primary", r.promotion),
+                    ("(difference: label write -> EndpointSlice)",
+                     [t.endpoint_s - t.promotion_s for t in r.trials])):
+        lines.append(f"{name:<44} {len(v):>6} {ms(statistics.median(v))} {ms(percentile(v, 99))} "
+                     f"{ms(max(v))} {ms(statistics.fmean(v))}")
+    slowest = max(r.trials, key=lambda t: t.endpoint_s)
+    lines.append(f"slowest: group {slowest.group}, {slowest.killed} -> {slowest.promoted}, "
+                 f"{slowest.endpoint_s * 1000:.1f} ms (promotion {slowest.promotion_s * 1000:.1f} ms)")
+    lines.append(f"EndpointSlice states during the trials: {r.slice_changes}; with a group lacking a ready "
+                 f"serving endpoint: {len(r.empty_groups)}; trials took {r.wall_s:.0f} s")
+    p99 = percentile(r.endpoint, 99)
+    verdict = "goal met" if p99 <= GOAL_P99_S else "bar met" if p99 <= BAR_P99_S else "BAR MISSED"
+    lines.append(f"kill -> EndpointSlice p99 {p99 * 1000:.1f} ms: {verdict} (bar {BAR_P99_S * 1000:.0f} ms, "
+                 f"goal {GOAL_P99_S * 1000:.0f} ms)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trials", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=2, help="failovers run first and not counted")
+    args = ap.parse_args(argv)
+    from k8s_lab import install_or_upgrade_chart, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"no Kubernetes control plane: {reason}", file=sys.stderr)
+        return 2
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO / "node_agent"), str(REPO / "operator")] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    t = time.monotonic()
+    lab = Lab.start(("node-1",))
+    try:
+        print(f"control plane up in {time.monotonic() - t:.0f}s ({lab.server})", file=sys.stderr)
+        install_or_upgrade_chart(lab)
+        lab.kubectl("-n", "weightcache-system", "scale", "deployment", "--all", "--replicas=0")
+        with EndToEnd(lab) as e2e:
+            print(f"four engine pods, two groups, settled after {time.monotonic() - t:.0f}s", file=sys.stderr)
+            results = e2e.measure(args.trials, warmup=args.warmup, progress=True)
+        print(table(results))
+    finally:
+        lab.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
