@@ -114,7 +114,8 @@ class Trial:
 class Results:
     trials: list[Trial] = field(default_factory=list)
     slice_changes: int = 0  # EndpointSlice states seen during the trials
-    empty_groups: list[tuple[float, int, list[str]]] = field(default_factory=list)  # (s from start, group, ready)
+    # spans in which a group had no ready serving endpoint: (s from the first trial, group, seconds)
+    empty_windows: list[tuple[float, int, float]] = field(default_factory=list)
     wall_s: float = 0.0
 
     @property
@@ -356,21 +357,28 @@ class EndToEnd:
                 print(f"  {i + 1}/{trials} trials", file=sys.stderr)
         self.wait_settled(range(self.replicas), timeout=60)
         results.wall_s = time.perf_counter() - start
-        results.slice_changes, results.empty_groups = self.empty_groups(start)
+        results.slice_changes, results.empty_windows = self.empty_windows(start)
         return results
 
-    def empty_groups(self, since: float) -> tuple[int, list[tuple[float, int, list[str]]]]:
-        """Every EndpointSlice state from `since` on (the one in force then included) in which a group
-        has no ready serving endpoint."""
+    def empty_windows(self, since: float) -> tuple[int, list[tuple[float, int, float]]]:
+        """The EndpointSlice states from `since` on (the one in force then included), and the spans
+        in which a group had no ready serving endpoint: (start s after `since`, group, seconds)."""
         history = list(self.watch.history)
         before = [h for h in history if h[0] < since]
         states = ([(since, before[-1][1])] if before else []) + [h for h in history if h[0] >= since]
-        empty = []
-        for t, eps in states:
-            for g in range(self.replicas):
-                if not any(group_of(n) == g for n in eps):
-                    empty.append((t - since, g, sorted(eps)))
-        return len(states), empty
+        windows = []
+        for g in range(self.replicas):
+            empty_since = None
+            for t, eps in states:
+                has = any(group_of(n) == g for n in eps)
+                if not has and empty_since is None:
+                    empty_since = t
+                elif has and empty_since is not None:
+                    windows.append((empty_since - since, g, t - empty_since))
+                    empty_since = None
+            if empty_since is not None:
+                windows.append((empty_since - since, g, time.perf_counter() - empty_since))
+        return len(states), sorted(windows)
 
 
 def _free_port() -> int:
@@ -394,8 +402,10 @@ def table(r: Results) -> str:
     slowest = max(r.trials, key=lambda t: t.endpoint_s)
     lines.append(f"slowest: group {slowest.group}, {slowest.killed} -> {slowest.promoted}, "
                  f"{slowest.endpoint_s * 1000:.1f} ms (promotion {slowest.promotion_s * 1000:.1f} ms)")
-    lines.append(f"EndpointSlice states during the trials: {r.slice_changes}; with a group lacking a ready "
-                 f"serving endpoint: {len(r.empty_groups)}; trials took {r.wall_s:.0f} s")
+    longest = max((w[2] for w in r.empty_windows), default=0.0)
+    lines.append(f"EndpointSlice states during the trials: {r.slice_changes}; spans with a group lacking a ready "
+                 f"serving endpoint: {len(r.empty_windows)} (longest {longest * 1000:.1f} ms); "
+                 f"trials took {r.wall_s:.0f} s")
     p99 = percentile(r.endpoint, 99)
     verdict = "goal met" if p99 <= GOAL_P99_S else "bar met" if p99 <= BAR_P99_S else "BAR MISSED"
     lines.append(f"kill -> EndpointSlice p99 {p99 * 1000:.1f} ms: {verdict} (bar {BAR_P99_S * 1000:.0f} ms, "

@@ -1,0 +1,120 @@
+"""The failover end to end on a real control plane: operator, agent, engines, API server.
+
+Nothing is stood in for but the kubelet and the container runtime: the operator runs in
+this process as the chart's service account, the node agent is the pod its DaemonSet
+makes (a local process, cpu backend, its label writer on the token bound to that pod and
+through the chart's admission policy), the engines are the EngineSet's pods (reference
+engine processes attaching from the environment the operator injects), and the Service's
+EndpointSlice is the real controller's. `bench/failover_e2e_k8s.py` holds the setup and
+the trial loop; this test runs fewer trials than the benchmark (for CI time) and asserts:
+
+- placement: four engine pods in two groups, each group on one node and one device, the
+  devices distinct, the environment the engines attached with matching the placement;
+- a SIGKILLed primary's standby is listed ready by the EndpointSlice within the bar
+  (p99 <= 200 ms, kill to the EndpointSlice event), promoted by the agent first, and
+  the killed pod comes back as the group's standby after its container restarts;
+- a group never lacks a ready serving endpoint for longer than the kubelet race allows
+  (see `test_no_group_is_left_without_a_serving_endpoint`).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from k8s_lab import REPO, Lab
+
+pytestmark = [pytest.mark.timeout(420)]
+
+spec = importlib.util.spec_from_file_location("failover_e2e_k8s", REPO / "bench" / "failover_e2e_k8s.py")
+assert spec and spec.loader
+e2e_bench = importlib.util.module_from_spec(spec)
+sys.modules["failover_e2e_k8s"] = e2e_bench
+spec.loader.exec_module(e2e_bench)
+
+TRIALS = 20
+
+
+@pytest.fixture(scope="module")
+def e2e(k8s_chart: Lab) -> Iterator[e2e_bench.EndToEnd]:
+    with e2e_bench.EndToEnd(k8s_chart) as setup:
+        yield setup
+
+
+def env_of(pod: dict, name: str) -> str | None:
+    for var in pod["spec"]["containers"][0].get("env") or []:
+        if var["name"] == name:
+            return var.get("value")
+    return None
+
+
+def test_four_engines_in_two_groups_each_on_one_node_and_device(e2e: e2e_bench.EndToEnd) -> None:
+    pods = {p["metadata"]["name"]: p for p in e2e.pods()}
+    assert sorted(pods) == ["chat-0-0", "chat-0-1", "chat-1-0", "chat-1-1"]
+    placement = {}
+    for group in (0, 1):
+        members = [pods[f"chat-{group}-{slot}"] for slot in (0, 1)]
+        nodes = {p["spec"]["nodeName"] for p in members} | {p["metadata"]["annotations"]["weightcache.io/node"]
+                                                             for p in members}
+        devices = {p["metadata"]["annotations"]["weightcache.io/gpus"] for p in members}
+        env_devices = {env_of(p, "WEIGHTCACHE_DEVICES") for p in members} | {env_of(p, "NVIDIA_VISIBLE_DEVICES")
+                                                                             for p in members}
+        assert nodes == {e2e_bench.NODE} and len(devices) == 1 and env_devices == devices, (nodes, devices)
+        assert {env_of(p, "WEIGHTCACHE_GROUP") for p in members} == {f"{e2e.ns}/chat-{group}"}
+        placement[group] = devices.pop()
+    assert placement[0] != placement[1]
+    # The agent holds each group's engines on that group's device: one primary, one standby.
+    for group, device in placement.items():
+        roles = e2e.leases(device)
+        assert sorted(roles.values()) == ["primary", "standby"], roles
+        assert {e2e_bench.group_of(n) for n in roles} == {group}
+    # The Service routes to one engine per group: the primary, labelled by the operator.
+    serving = set(e2e.watch.current())
+    assert {e2e_bench.group_of(n) for n in serving} == {0, 1} and len(serving) == 2
+
+
+@pytest.fixture(scope="module")
+def results(e2e: e2e_bench.EndToEnd) -> e2e_bench.Results:
+    r = e2e.measure(TRIALS, warmup=2)
+    e2e.report = e2e_bench.table(r)  # printed after the operator's runner gives stdout back
+    return r
+
+
+def test_kill_of_a_primary_moves_the_endpoint_within_the_bar(e2e: e2e_bench.EndToEnd,
+                                                            results: e2e_bench.Results) -> None:
+    assert len(results.trials) == TRIALS
+    assert {t.group for t in results.trials} == {0, 1}
+    for t in results.trials:
+        assert t.killed != t.promoted and e2e_bench.group_of(t.promoted) == t.group
+        # the agent promotes before the API can follow: its write comes after the promotion
+        assert 0 < t.promotion_s < t.endpoint_s, t
+    assert e2e_bench.percentile(results.endpoint, 99) <= e2e_bench.BAR_P99_S, e2e.report
+    # every killed pod came back, restarted in place, as its group's standby
+    final = e2e.wait_settled((0, 1))
+    killed = {t.killed for t in results.trials}
+    assert killed <= {name for p, s, _ in final.values() for name in (p, s)}
+    restarts = {n: e2e.kubelet.run_of(e2e.ns, n).restarts for n in killed}
+    assert all(r >= 1 for r in restarts.values()), restarts
+
+
+def test_no_group_is_left_without_a_serving_endpoint(e2e: e2e_bench.EndToEnd,
+                                                     results: e2e_bench.Results) -> None:
+    """Every EndpointSlice state during the trials lists a ready serving engine of each group.
+
+    One race is outside the product's reach: a kubelet that marks the killed pod not ready
+    before the agent's write lands (the fake kubelet notices an exit within 100 ms, a
+    kubelet's relist within a second) leaves the group empty until the write arrives. Such a
+    window must be closed by the promoted standby within the bar; anything longer (the
+    operator taking the label back from a fresh primary, say) fails.
+    """
+    assert results.slice_changes > 2 * TRIALS
+    too_long = [w for w in results.empty_windows if w[2] > e2e_bench.BAR_P99_S]
+    assert not too_long, f"groups without a ready serving endpoint (start s, group, seconds): {too_long}"
+
+
+def test_report(e2e: e2e_bench.EndToEnd, results: e2e_bench.Results, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():  # the operator's runner holds sys.stdout: write to the descriptor
+        os.write(1, ("\n" + e2e.report + "\n").encode())
