@@ -81,15 +81,15 @@ def test_defaults_fill_a_minimal_spec() -> None:
     assert errors == []
     assert {k: v for k, v in obj["spec"].items() if k != "template"} == {
         "cacheRef": {"name": "llama"}, "replicas": 1, "standbys": 1, "drainSeconds": 30,
-        "service": {"port": 8000},
+        "progressDeadlineSeconds": 600, "service": {"port": 8000},
         "gpuBinding": {"mode": "dra", "deviceClassName": "gpu.nvidia.com", "runtimeClassName": "nvidia"},
     }
     # The operator reads the same defaults from a spec stored without them.
     parsed = parse_engineset("chat", {"cacheRef": {"name": "llama"}, "template": TEMPLATE})
     assert parsed == parse_engineset("chat", obj["spec"])
     assert (parsed.replicas, parsed.standbys, parsed.port, parsed.target_port, parsed.mode, parsed.device_class,
-            parsed.runtime_class, parsed.drain_seconds, parsed.service_name) == \
-        (1, 1, 8000, 8000, "dra", "gpu.nvidia.com", "nvidia", 30, "chat")
+            parsed.runtime_class, parsed.drain_seconds, parsed.progress_deadline, parsed.service_name) == \
+        (1, 1, 8000, 8000, "dra", "gpu.nvidia.com", "nvidia", 30, 600, "chat")
 
 
 @pytest.mark.parametrize("spec, fragment, reason", [

@@ -270,7 +270,7 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
 
             # Still bad on later polls: no repeated status writes, no retry storm (once the
             # cold cache's own status, quoted in its EngineSet's message, has settled).
-            await asyncio.sleep(2 * POLL)
+            await asyncio.sleep(4 * POLL)
             writes = {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad}
             await asyncio.sleep(4 * POLL)
             assert {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad} == writes

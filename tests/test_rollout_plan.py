@@ -94,3 +94,23 @@ def test_a_revision_is_part_of_the_target():
     pods = group(0, Target("t", "r1"))
     assert plan_group(0, pods, Target("t", "r2"), 0).kind == "create"
     assert plan_group(0, pods, Target("t", "r1"), 0).kind == "done"
+
+
+def test_a_revision_the_restarted_agent_serves_alone_rolls_through_a_new_primary():
+    """The agent came back on a new revision: it knows none of the old pods (they serve the old
+    weights they still map). A new pod attaches as primary; the old ones go once it serves."""
+    pods = [dataclasses.replace(p, role=None) for p in group(1, Target("t", "r1"))]
+    target = Target("t", "r2")
+    step = plan_group(0, pods, target, 1)
+    assert (step.kind, step.role) == ("create", "auto")
+    pods = pods + [EnginePod("g-2", 2, "t", "r2", role="primary", ready=True, serving=True)]
+    pods = [dataclasses.replace(p, serving=False) if p.role is None else p for p in pods]  # labels follow
+    kinds = []
+    for _ in range(10):
+        step = plan_group(0, pods, target, 1)
+        kinds.append(step.kind)
+        if step.kind == "done":
+            break
+        pods = apply(pods, step, target)
+    assert kinds[-1] == "done" and "switchover" not in kinds
+    assert all(target.matches(p) for p in pods) and len(pods) == 2

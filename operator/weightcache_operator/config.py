@@ -60,6 +60,9 @@ class OperatorConfig:
     agent_http_timeout: float = 3.0
     # Upper bound of per-node entries written into .status.nodes (the CRD's maxItems).
     max_node_entries: int = 32
+    # The key the agents' control tokens derive from (see control.py); None: no planned
+    # switchovers, so template rollouts stall with a condition saying why.
+    control_key: bytes | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "OperatorConfig":
@@ -88,6 +91,9 @@ class OperatorConfig:
             kwargs["poll_interval"] = float(v)
         if (v := get("AGENT_HTTP_TIMEOUT")):
             kwargs["agent_http_timeout"] = float(v)
+        if (v := get("CONTROL_KEY_FILE")):
+            with open(v, "rb") as f:
+                kwargs["control_key"] = f.read().strip()
         return cls(**kwargs).checked()
 
     def checked(self) -> "OperatorConfig":
@@ -102,6 +108,8 @@ class OperatorConfig:
             raise ValueError(f"poll interval out of range (0.5..3600 s): {self.poll_interval}")
         if not (0.1 <= self.agent_http_timeout <= 60):
             raise ValueError(f"agent HTTP timeout out of range (0.1..60 s): {self.agent_http_timeout}")
+        if self.control_key is not None and len(self.control_key) < 16:
+            raise ValueError("the control key must be at least 16 bytes")
         if not (1 <= self.max_node_entries <= 32):
             raise ValueError("max node entries must be within the CRD's bound (1..32)")
         return self

@@ -16,7 +16,11 @@ registers it), and, like it, does not care why it runs. One pass:
 4. per group: create the claim, create each missing slot's pod (a deleted pod is
    replaced by the next pass), delete failed pods and pods of groups or slots that
    are no longer wanted (never a group's serving pod while the group keeps running);
-   create or patch the Service;
+   create or patch the Service. The first group with a pod of an older template is
+   rolled instead, one step per pass (``rollout.plan_group``: surge a standby on the
+   new template, a planned switchover to it through the agent's ``POST /switchover``,
+   retire old pods once nothing routes to them); the groups after it wait, so a bad
+   template stops after one group (Progressing=False, RolloutStalled);
 5. serving labels from the agents' truth: ``"true"`` on each group's primary,
    ``"false"`` on the others, one patch per pod that needs a change, all the
    ``"true"`` patches before any ``"false"`` one, so a group with a live primary
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import datetime
 import json
 import logging
 import time
@@ -67,7 +72,9 @@ from .engineset_manifests import (
 from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
 from .kube import KubeApi, merge_patch_for
 from .manifests import selector_labels as agent_selector_labels
+from .control import SwitchoverError, control_token, post_switchover
 from .placement import Placement, Replica, orphaned, place
+from .rollout import EnginePod, Step, Target, plan_group
 from .rollup import node_replicas
 from .spec import CacheSpec, SpecError, parse_spec, plain
 
@@ -76,6 +83,11 @@ STATUS_KEYS = (
     "rollout", "groups", "conditions",
 )
 MAX_GROUP_ENTRIES = 64
+PROGRESSING = "Progressing"
+# A pod in one of these states will not become ready by waiting: a rollout stops on it.
+FAILING_REASONS = ("CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
+                   "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+RESTARTS_FAILED = 3
 
 
 class Rejected(Exception):
@@ -132,6 +144,41 @@ def primaries(doc: Mapping[str, Any]) -> dict[str, PodRef]:
                 promoted_at=float(promoted) if isinstance(promoted, (int, float)) and not isinstance(promoted, bool) else None,
             )
     return out
+
+
+def pod_roles(doc: Mapping[str, Any]) -> dict[str, str]:
+    """Pod name -> the role an agent's leases give it (rank 0's view first, as in `primaries`)."""
+    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
+    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
+    out: dict[str, str] = {}
+    for rank in ranks:
+        for lease in _lease_lists(rank):
+            pod, role = lease.get("pod"), lease.get("role")
+            if isinstance(pod, Mapping) and isinstance(pod.get("name"), str) and isinstance(role, str):
+                out.setdefault(pod["name"], role)
+    return out
+
+
+def pod_failure(pod: Mapping[str, Any]) -> str | None:
+    """Why a pod cannot become ready (failed, crash-looping, image or config errors), or None."""
+    status = pod.get("status") or {}
+    if status.get("phase") == "Failed":
+        return f"pod Failed: {status.get('reason') or status.get('message') or 'its container exited'}"
+    for c in status.get("containerStatuses") or []:
+        waiting = ((c.get("state") or {}).get("waiting") or {})
+        if waiting.get("reason") in FAILING_REASONS:
+            return f"container {c.get('name')}: {waiting['reason']}: {waiting.get('message') or ''}".strip(": ")
+        if (c.get("restartCount") or 0) >= RESTARTS_FAILED:
+            return f"container {c.get('name')} restarted {c['restartCount']} times"
+    return None
+
+
+def pod_age(pod: Mapping[str, Any], now: datetime.datetime) -> float:
+    created = _meta(pod).get("creationTimestamp")
+    try:
+        return (now - datetime.datetime.fromisoformat(str(created).replace("Z", "+00:00"))).total_seconds()
+    except ValueError:
+        return 0.0  # unknown: never "too old"
 
 
 def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -193,6 +240,8 @@ class CacheView:
     primaries: dict[str, dict[str, PodRef]]  # node -> lease group -> primary
     unreachable: dict[str, str]  # node -> why its agent did not answer
     agent_nodes: set[str]  # nodes with an agent pod of the cache (answering or not)
+    roles: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # node -> pod name -> role
+    agent_urls: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> http://ip:port
 
 
 class EngineSetReconciler:
@@ -235,6 +284,8 @@ class EngineSetReconciler:
         answers = await fetch_all(agents, timeout=self.config.agent_http_timeout)
         replicas: list[Replica] = []
         prim: dict[str, dict[str, PodRef]] = {}
+        roles: dict[str, dict[str, str]] = {}
+        urls: dict[str, str] = {}
         unreachable: dict[str, str] = {}
         for agent in agents:
             if agent.node is None:
@@ -244,13 +295,16 @@ class EngineSetReconciler:
                 unreachable[agent.node] = str(doc) if isinstance(doc, AgentStatusError) else f"agent pod is {agent.phase}"
                 continue
             prim[agent.node] = primaries(doc)
+            roles[agent.node] = pod_roles(doc)
+            if agent.url:
+                urls[agent.node] = agent.url.rsplit("/status", 1)[0]
             if doc.get("phase") != "Ready" and not isinstance(doc.get("replicas"), list):
                 continue
             for r in node_replicas(doc, cs.tensor) or []:
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
-                         {a.node for a in agents if a.node is not None})
+                         {a.node for a in agents if a.node is not None}, roles, urls)
 
     def _owned(self, kind: str, namespace: str, name: str, uid: str | None) -> list[dict[str, Any]]:
         assert self.api is not None
@@ -423,6 +477,12 @@ class EngineSetReconciler:
             waiting.add(group)
 
         thash = template_hash(es, view.spec, self.config)
+        # One group at a time is rolled to a new template (the first with an outdated pod),
+        # so a bad template stops after it while the other groups keep their old primaries.
+        rolling = next((g for g in sorted(placed) if g not in waiting and any(
+            (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH) != thash
+            for x in by_group.get(g, GroupPods()).live.values())), None)
+        step: Step | None = None
         serving_true: list[dict[str, Any]] = []
         serving_false: list[dict[str, Any]] = []
         seen = memo.setdefault("primary_seen", {})
@@ -452,12 +512,17 @@ class EngineSetReconciler:
             for slot, pod in sorted(gp.live.items()):
                 phase = (pod.get("status") or {}).get("phase")
                 wrong_place = placement_of(pod, group) not in (None, p)
+                if group == rolling and not wrong_place and \
+                        (_meta(pod).get("labels") or {}).get(LABEL_TEMPLATE_HASH) == thash:
+                    continue  # a failed pod of the new template stops the rollout; it stays to be looked at
                 if phase in ("Failed", "Succeeded") or wrong_place:
                     if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
                         note("deleted", "Pod", _meta(pod)["name"], f"pod {phase}" if not wrong_place else "placement changed")
                     del gp.live[slot]
                     gp.terminating.add(slot)
-            for slot in range(es.slots):
+            if group == rolling:
+                step = await self._roll(body, es, view, namespace, name, p, gp, thash, note, rejected)
+            for slot in range(es.slots if group != rolling else 0):  # a rolling group's pods: the planner's
                 if slot in gp.live or slot in gp.terminating:
                     continue
                 pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
@@ -487,7 +552,7 @@ class EngineSetReconciler:
                 serving_false += [pod for pod in labelled if pod is not primary]
             # Excess standbys go; a primary in an excess slot stays until the agent moves it.
             for slot, pod in sorted(gp.live.items()):
-                if slot >= es.slots and pod is not primary and pod not in labelled:
+                if group != rolling and slot >= es.slots and pod is not primary and pod not in labelled:
                     if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
                         note("deleted", "Pod", _meta(pod)["name"], f"standbys is {es.standbys}")
                     del gp.live[slot]
@@ -557,10 +622,80 @@ class EngineSetReconciler:
         new_status.update(
             replicas=counts["replicas"], readyGroups=counts["ready"], servingGroups=counts["serving"],
             standbys=counts["standbys"], groups=groups_status[:MAX_GROUP_ENTRIES],
-            rollout={"phase": "Complete" if counts["updated"] == counts["pods"] else "Outdated",
-                     "templateHash": thash, "updatedPods": counts["updated"], "pods": counts["pods"]},
+            rollout=self._rollout_status(thash, counts, rolling, step),
         )
-        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed)
+        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed) + [
+            self._progressing(rolling, step)]
+
+    @staticmethod
+    def _rollout_status(thash: str, counts: Mapping[str, int], rolling: int | None,
+                        step: Step | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"templateHash": thash, "updatedPods": counts["updated"], "pods": counts["pods"]}
+        if rolling is None or step is None:
+            out["phase"] = "Complete" if counts["updated"] == counts["pods"] else "Outdated"
+        else:
+            out.update(phase="Stalled" if step.kind == "stalled" else "Progressing", group=rolling,
+                       message=step.reason[:1024] or step.kind)
+        return out
+
+    @staticmethod
+    def _progressing(rolling: int | None, step: Step | None) -> Desired:
+        if rolling is None or step is None:
+            return Desired(PROGRESSING, "True", "RolloutComplete", "every group runs the current template")
+        if step.kind == "stalled":
+            return Desired(PROGRESSING, "False", "RolloutStalled",
+                           f"group {rolling}: {step.reason}; the other groups keep their old primaries")
+        return Desired(PROGRESSING, "True", "RolloutInProgress", f"group {rolling}: {step.reason or step.kind}")
+
+    async def _roll(self, body: kopf.Body, es: EngineSetSpec, view: CacheView, namespace: str, name: str,
+                    p: Placement, gp: "GroupPods", thash: str, note: Any, rejected: list[str]) -> Step:
+        """Take the rollout planner's next step for one group (see ``rollout``)."""
+        assert self.api is not None
+        roles = view.roles.get(p.node, {})
+        now = datetime.datetime.now(datetime.timezone.utc)
+        pods = [EnginePod(_meta(x)["name"], slot, (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH, ""), "",
+                          role=roles.get(_meta(x)["name"]), ready=pod_ready(x),
+                          serving=(_meta(x).get("labels") or {}).get(LABEL_SERVING) == "true",
+                          failed=pod_failure(x), age=pod_age(x, now))
+                for slot, x in sorted(gp.live.items())]
+        step = plan_group(p.group, pods, Target(thash, ""), es.standbys, es.progress_deadline)
+        if step.kind == "create":
+            assert step.slot is not None
+            pod = render_pod(es, view.spec, self.config, namespace, name, p, step.slot, role=step.role)
+            try:
+                created = await asyncio.to_thread(self._create, pod, body)
+            except Rejected as e:
+                rejected.append(str(e))
+                return step
+            if created is not None:
+                note("created", "Pod", pod_name(name, p.group, step.slot), f"rollout of group {p.group}: {step.reason}")
+                gp.live[step.slot] = created
+        elif step.kind == "switchover":
+            assert step.pod is not None
+            url, key = view.agent_urls.get(p.node), self.config.control_key
+            if key is None:
+                return dataclasses.replace(step, kind="stalled", reason=(
+                    "the operator has no control key, so it cannot ask agents for a switchover "
+                    "(install with the chart, or set WEIGHTCACHE_CONTROL_KEY_FILE)"))
+            if url is None:
+                return dataclasses.replace(step, kind="wait", reason=f"the agent on {p.node} does not answer")
+            try:
+                reply = await asyncio.to_thread(post_switchover, url, control_token(key, namespace, es.cache_name),
+                                                lease_group(namespace, name, p.group), step.pod,
+                                                self.config.agent_http_timeout)
+            except SwitchoverError as e:
+                return dataclasses.replace(step, kind="wait", reason=f"switchover to {step.pod}: {e}")
+            kopf.event(body, type="Normal", reason="Switched",
+                       message=f"group {p.group}: {step.pod} is primary (planned switchover in "
+                               f"{float(reply.get('seconds') or 0) * 1e3:.1f} ms)")
+        elif step.kind == "retire":
+            for slot, x in list(gp.live.items()):
+                if _meta(x)["name"] == step.pod:
+                    if await asyncio.to_thread(self.api.delete, "Pod", namespace, step.pod, _meta(x).get("uid")):
+                        note("deleted", "Pod", step.pod, f"rollout of group {p.group}: {step.reason}")
+                    del gp.live[slot]
+                    gp.terminating.add(slot)
+        return step
 
     @staticmethod
     def _conditions(es: EngineSetSpec, view: CacheView, counts: Mapping[str, int], unplaced: list[int],

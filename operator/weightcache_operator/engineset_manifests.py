@@ -34,6 +34,7 @@ from .manifests import (
     MANAGED_BY,
     MODEL_MOUNT,
     content_hash,
+    model_dir,
     socket_dir,
 )
 from .placement import Placement
@@ -53,7 +54,7 @@ SOCKET_VOLUME = "weightcache-sockets"
 MODEL_VOLUME = "weightcache-models"
 CLAIM_REQUEST = "gpus"
 ENV_NAMES = (
-    "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES", "WEIGHTCACHE_GROUP", "WEIGHTCACHE_ROLE",
+    "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES", "WEIGHTCACHE_GROUP", "WEIGHTCACHE_ROLE", "WEIGHTCACHE_MODEL",
     "WEIGHTCACHE_POD_NAME", "WEIGHTCACHE_POD_NAMESPACE", "WEIGHTCACHE_POD_UID", "NVIDIA_VISIBLE_DEVICES",
 )
 
@@ -91,6 +92,8 @@ def template_hash(es: EngineSetSpec, cs: CacheSpec, config: OperatorConfig) -> s
         "binding": [es.mode, es.device_class if es.mode == "dra" else es.runtime_class],
         "cache": es.cache_name,
         "models": [cs.model_pvc, config.model_root if cs.model_pvc is None else None],
+        # A new model (path or revision) is a new pod: rolled like a new template.
+        "model": [model_dir(cs), cs.revision],
     })
 
 
@@ -122,7 +125,8 @@ def _strip_gpu_resource(resources: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement) -> list[dict[str, Any]]:
+def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement, model: str,
+         role: str = "auto") -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
 
@@ -130,7 +134,8 @@ def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement) -> list[dic
         {"name": "WEIGHTCACHE_SOCKET_DIR", "value": socket_dir(namespace, es.cache_name)},
         {"name": "WEIGHTCACHE_DEVICES", "value": ",".join(p.gpus)},
         {"name": "WEIGHTCACHE_GROUP", "value": lease_group(namespace, name, p.group)},
-        {"name": "WEIGHTCACHE_ROLE", "value": "auto"},
+        {"name": "WEIGHTCACHE_ROLE", "value": role},
+        {"name": "WEIGHTCACHE_MODEL", "value": model},
         {"name": "WEIGHTCACHE_POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "WEIGHTCACHE_POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
         {"name": "WEIGHTCACHE_POD_UID", "valueFrom": field("metadata.uid")},
@@ -149,8 +154,13 @@ def render_pod(
     p: Placement,
     slot: int,
     serving: bool = False,
+    role: str = "auto",
 ) -> dict[str, Any]:
-    """Engine pod ``<name>-<group>-<slot>`` on the group's node and GPUs."""
+    """Engine pod ``<name>-<group>-<slot>`` on the group's node and GPUs.
+
+    role: "auto" (primary when the group has none), or "standby" for a pod a rollout adds
+    beside a serving primary.
+    """
     template = copy.deepcopy(dict(es.template))
     tmeta = template.get("metadata") or {}
     spec: dict[str, Any] = dict(template["spec"])
@@ -162,7 +172,7 @@ def render_pod(
     labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
     annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p)}
 
-    ours = _env(es, namespace, name, p)
+    ours = _env(es, namespace, name, p, model_dir(cs), role)
     mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets},
               {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}]
     containers = []

@@ -50,6 +50,7 @@ class EngineSetSpec:
     device_class: str = DEFAULT_DEVICE_CLASS
     runtime_class: str = DEFAULT_RUNTIME_CLASS
     drain_seconds: int = 30
+    progress_deadline: int = 600
 
     @property
     def slots(self) -> int:
@@ -138,6 +139,7 @@ def parse_engineset(name: str, spec: Mapping[str, Any]) -> EngineSetSpec:
         device_class=device_class,
         runtime_class=runtime_class,
         drain_seconds=_int("drainSeconds", spec.get("drainSeconds"), 30, 0, 3600),
+        progress_deadline=_int("progressDeadlineSeconds", spec.get("progressDeadlineSeconds"), 600, 10, 86400),
     )
 
 

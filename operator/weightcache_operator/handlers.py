@@ -44,6 +44,7 @@ from kubernetes.client.exceptions import ApiException
 from . import API_GROUP, API_VERSION, PLURAL
 from .agents import fetch_all, select_agent_pods
 from .conditions import Desired, merge, transitions
+from .control import render_control_secret
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset import EngineSetReconciler
 from .engineset import register as register_engineset
@@ -150,6 +151,18 @@ class Reconciler:
             body["metadata"]["resourceVersion"] = meta["resourceVersion"]
         return patch(ns, name, body), "patched"
 
+    def _create_once(self, desired: dict[str, Any]) -> bool:
+        """Create an object whose content never changes (it is derived); an existing one is left
+        alone -- the operator may create Secrets, never read or change them."""
+        assert self.api is not None
+        try:
+            self.api.create(desired)
+            return True
+        except ApiException as e:
+            if e.status != 409:
+                raise
+            return False
+
     def _ensure_shared(self, desired: dict[str, Any], owner: Mapping[str, Any]) -> str:
         """Create-or-adopt an object every WeightCache of the namespace shares (agent identity).
 
@@ -229,6 +242,11 @@ class Reconciler:
                     action = await asyncio.to_thread(self._ensure_shared, shared, body)
                     if action == "created":
                         logger.info(f"created {shared['kind']} {shared['metadata']['name']}")
+                if self.config.control_key is not None:
+                    secret = render_control_secret(self.config.control_key, namespace, name)
+                    kopf.append_owner_reference(secret, owner=body)
+                    if await asyncio.to_thread(self._create_once, secret):
+                        logger.info(f"created Secret {secret['metadata']['name']}")
                 for child in children:
                     live, action = await asyncio.to_thread(self._ensure, child["kind"], child, uid)
                     if action != "unchanged":

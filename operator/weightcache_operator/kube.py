@@ -39,6 +39,7 @@ MERGE_PATCH = "application/merge-patch+json"
 # Every one of them has read_/create_/patch_/delete_/list_namespaced_<suffix>.
 _KINDS = {
     "Pod": ("core", "pod"),
+    "Secret": ("core", "secret"),
     "Service": ("core", "service"),
     "ServiceAccount": ("core", "service_account"),
     "RoleBinding": ("rbac", "role_binding"),

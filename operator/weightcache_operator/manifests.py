@@ -58,6 +58,9 @@ GPU_COUNT_LABEL = "nvidia.com/gpu.count"
 # The agents' identity in each WeightCache namespace; the ClusterRole of the same
 # name and the admission policy that narrows it come with the chart.
 AGENT_SERVICE_ACCOUNT = "weightcache-agent"
+# The agents' control token (POST /switchover), from a Secret the operator creates (control.py).
+CONTROL_MOUNT = "/etc/weightcache/control"
+CONTROL_FILE = "token"
 AGENT_CLUSTER_ROLE = "weightcache-agent"
 
 
@@ -192,6 +195,10 @@ def _probes() -> dict[str, Any]:
     }
 
 
+def control_secret_name(name: str) -> str:
+    return f"{name}-agent-control"
+
+
 def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorConfig) -> dict[str, Any]:
     """The agent DaemonSet for one WeightCache, with its spec hash annotation set."""
     labels = agent_labels(name)
@@ -231,6 +238,14 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         mounts.append({"name": "sharding", "mountPath": SHARDING_DIR, "readOnly": True})
         template_annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
 
+    args = agent_args(cs, namespace, name)
+    if config.control_key is not None:
+        # The token for POST /switchover (planned switchovers of rolling upgrades); optional,
+        # so agents start before the operator has created it.
+        volumes.append({"name": "control", "secret": {"secretName": control_secret_name(name), "optional": True}})
+        mounts.append({"name": "control", "mountPath": CONTROL_MOUNT, "readOnly": True})
+        args += ["--control-token-file", f"{CONTROL_MOUNT}/{CONTROL_FILE}"]
+
     if config.agent_privileged:
         security: dict[str, Any] = {"privileged": True}
     else:
@@ -241,7 +256,7 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         "image": cs.agent_image or config.agent_image,
         "imagePullPolicy": config.agent_image_pull_policy,
         "command": ["weightcache"],
-        "args": agent_args(cs, namespace, name),
+        "args": args,
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
             # The agent is not given GPUs through the device plugin (that would take

@@ -17,7 +17,10 @@ Per group, with `standbys` S (maxUnavailable 0, maxSurge 1):
    standby before retiring each old one, so the group never has fewer than S standbys;
 4. done when every pod runs the new template and revision and the count is S + 1.
 A group without a primary (its primary died where no standby of the same agent was left)
-gets one by a switchover to a warm standby: the level-based repair.
+gets one by a switchover to a warm standby: the level-based repair. A group the agent
+knows nothing of -- the agent restarted on a new model revision, which the old engines
+cannot rejoin, while they keep serving the old weights they map -- gets a new pod that
+attaches as its primary; the old pods are retired once it serves.
 A new pod that fails (crash loop, attach refused) or does not become ready within the
 progress deadline stalls the rollout: the old primary keeps serving, and the reason
 goes to a condition and an Event.
@@ -93,8 +96,11 @@ def plan_group(group: int, pods: Sequence[EnginePod], target: Target, standbys: 
         warm = sorted((p for p in live if p.role == "standby"), key=lambda p: not target.matches(p))
         if warm:
             return Step("switchover", group, pod=warm[0].name, reason=f"the group has no primary; {warm[0].name} takes over")
-        if not live:
-            return Step("create", group, slot=free_slot(pods), reason="the group has no pod")
+        if not new and len(live) < want + 1:
+            # The agent knows none of the pods (it restarted on a new revision, which the old
+            # engines cannot rejoin): the new pod attaches as the group's primary there, and the
+            # old ones keep their serving label until it is ready.
+            return Step("create", group, slot=free_slot(pods), reason="the agent holds no engine of the group")
         return Step("wait", group, reason="the group has no primary and no warm standby")
     if not old:
         if len(live) < want:

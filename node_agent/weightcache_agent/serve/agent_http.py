@@ -130,8 +130,10 @@ class AgentHTTPServer:
     """The endpoints above on `host:port` (port 0: any free port, see `.port`), served from threads."""
 
     def __init__(self, host: str, port: int, source: StatusSource, registry: CollectorRegistry,
-                 control_token: str | None = None):
-        handler = type("Handler", (_Handler,), {"source": source, "registry": registry, "control_token": control_token})
+                 control_token: Callable[[], str | None] | None = None):
+        # staticmethod: a plain function as a class attribute would be bound to the handler.
+        handler = type("Handler", (_Handler,), {"source": source, "registry": registry,
+                                                "control_token": staticmethod(control_token) if control_token else None})
         self._server = _make_server(host, port, handler)
         self.port: int = self._server.server_address[1]
         self._thread: threading.Thread | None = None
@@ -166,7 +168,7 @@ def _make_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) ->
 class _Handler(BaseHTTPRequestHandler):
     source: StatusSource
     registry: CollectorRegistry
-    control_token: str | None = None
+    control_token: Callable[[], str | None] | None = None  # reads the current token (None: off)
     timeout = REQUEST_TIMEOUT
     server_version = "weightcache-agent"
 
@@ -200,12 +202,13 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        if path != "/switchover" or self.control_token is None:
+        token = self.control_token() if self.control_token is not None else None
+        if path != "/switchover" or token is None:
             self._json(404, {"error": f"no POST endpoint {path!r}" if path != "/switchover" else
                              "switchover over HTTP is off on this agent (no control token)"}, True)
             return
         offered = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(offered.encode(), f"Bearer {self.control_token}".encode()):
+        if not hmac.compare_digest(offered.encode(), f"Bearer {token}".encode()):
             self._json(401, {"error": "a valid bearer token is required"}, True)
             return
         try:

@@ -506,16 +506,22 @@ def replica_devices(backend: str, spec: str, tp_size: int, replicas: int = 0) ->
     return chosen[:(replicas or fit) * tp_size]
 
 
-def _control_token(path: str | None) -> str | None:
-    """The bearer token that `POST /switchover` requires; None (switchover over HTTP off) without a file."""
+def _control_token_reader(path: str | None) -> Callable[[], str | None] | None:
+    """Reads the bearer token `POST /switchover` requires, at each request: the file comes from a
+    Secret that may appear, or change, while the agent runs. None: switchover over HTTP is off."""
     path = path or os.environ.get("WEIGHTCACHE_CONTROL_TOKEN_FILE")
     if not path:
         return None
-    with open(path) as f:
-        token = f.read().strip()
-    if len(token) < 16:
-        raise ValueError(f"{path}: the control token must be at least 16 characters")
-    return token
+
+    def read() -> str | None:
+        try:
+            with open(path) as f:
+                token = f.read().strip()
+        except OSError:
+            return None
+        return token if len(token) >= 16 else None  # a short token is no token
+
+    return read
 
 
 def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -550,7 +556,7 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
         server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry,
-                                 control_token=_control_token(args.control_token_file))
+                                 control_token=_control_token_reader(args.control_token_file))
     except OSError as e:
         print(f"weightcache agent: cannot serve HTTP on port {args.http_port}: {e}", file=sys.stderr)
         return 1
