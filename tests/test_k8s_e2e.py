@@ -35,7 +35,7 @@ e2e_bench = importlib.util.module_from_spec(spec)
 sys.modules["failover_e2e_k8s"] = e2e_bench
 spec.loader.exec_module(e2e_bench)
 
-TRIALS = 20
+TRIALS = 10
 
 
 @pytest.fixture(scope="module")

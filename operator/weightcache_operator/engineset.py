@@ -229,6 +229,11 @@ def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, An
     return patch
 
 
+# An agent's /status is refreshed by its supervisor every 0.5 s: a read this long after the pod
+# list reflects every promotion whose serving label the list shows.
+AGENT_SNAPSHOT_AGE_S = 1.0
+
+
 @dataclasses.dataclass
 class CacheView:
     """What the reconcile knows about the WeightCache: its spec, Ready condition and agents."""
@@ -305,6 +310,31 @@ class EngineSetReconciler:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
                          {a.node for a in agents if a.node is not None}, roles, urls)
+
+    async def _still_not_primary(self, namespace: str, es: EngineSetSpec,
+                                 pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Of `pods` (labelled serving, not the primary the agents reported), those a fresh read of
+        the agents still does not hold as primary.
+
+        An agent's ``/status`` is a snapshot its supervisor refreshes every half second, so the
+        view this reconcile started from can predate a promotion whose serving label is already
+        in the pod list (the agent writes it right after promoting): taking that label away
+        would leave the group without a serving endpoint until the next poll. So the agents are
+        read again once any snapshot taken before the pod list has been replaced; a pod on a node
+        whose agent does not answer keeps its label.
+        """
+        await asyncio.sleep(AGENT_SNAPSHOT_AGE_S)
+        fresh = await self._cache_view(namespace, es)
+        out = []
+        for pod in pods:
+            m, node = _meta(pod), (pod.get("spec") or {}).get("nodeName") or ""
+            if node in fresh.unreachable or node not in fresh.primaries:
+                continue
+            if any(ref.name == m.get("name") and (ref.uid is None or ref.uid == m.get("uid"))
+                   for ref in fresh.primaries[node].values()):
+                continue
+            out.append(pod)
+        return out
 
     def _owned(self, kind: str, namespace: str, name: str, uid: str | None) -> list[dict[str, Any]]:
         assert self.api is not None
@@ -603,6 +633,8 @@ class EngineSetReconciler:
         for pod in serving_true:
             await asyncio.to_thread(self._set_serving, pod, "true")
             logger.info(f"serving: {_meta(pod)['name']}")
+        if serving_false:
+            serving_false = await self._still_not_primary(namespace, es, serving_false)
         for pod in serving_false:
             await asyncio.to_thread(self._set_serving, pod, "false")
             logger.info(f"not serving: {_meta(pod)['name']}")
