@@ -196,7 +196,9 @@ class EndToEnd:
                                    log_dir=self.root / "logs", kill_timeout=3.0)
         (self.root / "logs").mkdir()
 
-        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0)
+        # A control key, as the chart gives the operator one: rollouts switch groups over through the agents.
+        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0,
+                                control_key=b"end-to-end-control-key-0123456789")
         registry, _ = build_registry(config, kubeconfig=str(self._operator_kubeconfig()))
         runner = KopfRunner(["run", "--standalone", "--namespace", ns], registry=registry,
                             settings=build_settings(), timeout=60)
@@ -379,6 +381,45 @@ class EndToEnd:
             if empty_since is not None:
                 windows.append((empty_since - since, g, time.perf_counter() - empty_since))
         return len(states), sorted(windows)
+
+
+@dataclass
+class Rollout:
+    seconds: float
+    old_serving: dict[int, str]   # group -> pod serving before
+    new_serving: dict[int, str]   # group -> pod serving after
+    hashes: dict[str, str]        # pod -> template hash, at the end
+    template_hash: str            # the EngineSet's current one
+    slice_changes: int
+    empty_windows: list[tuple[float, int, float]]
+
+
+def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 240) -> Rollout:
+    """Change the EngineSet's template and wait for the rollout to complete with every group settled."""
+    settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
+    old_serving = {g: v[0] for g, v in settled.items()}
+    path = f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}"
+    start = time.perf_counter()
+    es = e2e.api.patch(path, {"spec": {"template": engine_template(extra_args)}})
+    generation = es["metadata"]["generation"]
+
+    def complete() -> dict[str, Any] | None:
+        status = e2e.api.get(path).get("status") or {}
+        rollout = status.get("rollout") or {}
+        if status.get("observedGeneration") != generation or rollout.get("phase") != "Complete":
+            return None
+        pods = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
+        hashes = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in pods}
+        if len(pods) != e2e.replicas * (1 + e2e.standbys) or set(hashes.values()) != {rollout.get("templateHash")}:
+            return None
+        return {"hashes": hashes, "hash": rollout["templateHash"]}
+
+    done = wait_for(complete, timeout=timeout, interval=0.2, what="the rollout complete")
+    after = e2e.wait_settled(range(e2e.replicas), timeout=60)
+    seconds = time.perf_counter() - start
+    changes, windows = e2e.empty_windows(start)
+    return Rollout(seconds, old_serving, {g: v[0] for g, v in after.items()}, done["hashes"], done["hash"],
+                   changes, windows)
 
 
 def _free_port() -> int:

@@ -38,9 +38,10 @@ Several pods of several nodes share this machine's filesystem and loopback, wher
 cluster gives each pod its own mounts and network namespace. Three options stand in
 for that (all off by default): ``host_root`` gives each node a directory of its own,
 and a ``hostPath`` volume of a pod is that node's ``<host_root>/<node><path>``
-(created for ``DirectoryOrCreate``), with the volume's ``mountPath`` replaced by it in
-command, args and env values, so a process finds at its host path what the container
-would find at the mount; a container that names ``$(HOST_PORT_<NAME>)`` (its port
+(created for ``DirectoryOrCreate``), a ``secret`` or ``configMap`` volume is written out
+as files when the container starts, and the volume's ``mountPath`` is replaced by that
+directory in command, args and env values, so a process finds at its host path what the
+container would find at the mount; a container that names ``$(HOST_PORT_<NAME>)`` (its port
 ``<name>`` upper-cased, ``-`` as ``_``) gets a free loopback port in that variable, and
 its probes on that port go there; pods matching ``loopback_labels`` get ``127.0.0.1``
 as their pod IP (for pods reached by IP, such as a node agent, and selected by no
@@ -286,14 +287,36 @@ class FakeKubelet:
         volumes = {v["name"]: v for v in spec.get("volumes") or []}
         out = []
         for m in container.get("volumeMounts") or []:
-            host = (volumes.get(m["name"]) or {}).get("hostPath")
-            if not host:
+            volume = volumes.get(m["name"]) or {}
+            host = volume.get("hostPath")
+            if host:
+                local = self.host_path(spec.get("nodeName", ""), host["path"])
+                if host.get("type") == "DirectoryOrCreate":
+                    local.mkdir(parents=True, exist_ok=True)
+            elif "secret" in volume or "configMap" in volume:
+                local = self._projected(run, m["name"], volume)
+            else:
                 continue
-            local = self.host_path(spec.get("nodeName", ""), host["path"])
-            if host.get("type") == "DirectoryOrCreate":
-                local.mkdir(parents=True, exist_ok=True)
             out.append((m["mountPath"].rstrip("/") or "/", str(local)))
         return sorted(out, key=lambda x: -len(x[0]))
+
+    def _projected(self, run: PodRun, name: str, volume: dict[str, Any]) -> Path:
+        """A secret or configMap volume written out as files, one per key (or per listed item)."""
+        import base64
+
+        local = self.log_dir / f"{run.namespace}_{run.name}.volumes" / name
+        local.mkdir(parents=True, exist_ok=True)
+        source = volume.get("secret") or volume.get("configMap") or {}
+        kind = "secrets" if "secret" in volume else "configmaps"
+        obj = self.api.get_or_none(f"/api/v1/namespaces/{run.namespace}/{kind}/"
+                                   f"{source.get('secretName') or source.get('name')}") or {}
+        data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()} if kind == "secrets" else \
+            {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        items = source.get("items") or [{"key": k, "path": k} for k in data]
+        for item in items:
+            if item["key"] in data:
+                (local / item["path"]).write_bytes(data[item["key"]])
+        return local
 
     @staticmethod
     def _remap(value: str, mounts: list[tuple[str, str]]) -> str:

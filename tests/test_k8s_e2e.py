@@ -14,7 +14,10 @@ the trial loop; this test runs fewer trials than the benchmark (for CI time) and
   (p99 <= 200 ms, kill to the EndpointSlice event), promoted by the agent first, and
   the killed pod comes back as the group's standby after its container restarts;
 - a group never lacks a ready serving endpoint for longer than the kubelet race allows
-  (see `test_no_group_is_left_without_a_serving_endpoint`).
+  (see `test_no_group_is_left_without_a_serving_endpoint`);
+- a template change rolls every group through the agents' planned switchover, each
+  group's EndpointSlice entry moving from an old pod to a new one with no gap at all, and
+  every pod ends on the new template hash.
 """
 from __future__ import annotations
 
@@ -118,3 +121,24 @@ def test_no_group_is_left_without_a_serving_endpoint(e2e: e2e_bench.EndToEnd,
 def test_report(e2e: e2e_bench.EndToEnd, results: e2e_bench.Results, capsys: pytest.CaptureFixture[str]) -> None:
     with capsys.disabled():  # the operator's runner holds sys.stdout: write to the descriptor
         os.write(1, ("\n" + e2e.report + "\n").encode())
+
+
+def test_template_rollout_moves_each_groups_endpoint_to_a_new_pod_without_a_gap(
+        e2e: e2e_bench.EndToEnd, results: e2e_bench.Results) -> None:
+    """A changed template rolls every group, make before break: each group's EndpointSlice entry
+    goes from its old pod to a new one, no EndpointSlice state lacks a ready serving engine of a
+    group, and every pod ends on the new template hash."""
+    before = {p["metadata"]["name"]: p["metadata"]["labels"]["weightcache.io/template-hash"] for p in e2e.pods()}
+    r = e2e_bench.roll_template(e2e, ("--max-new-tokens", "128"))
+    assert r.template_hash not in set(before.values())
+    assert set(r.hashes.values()) == {r.template_hash} and len(r.hashes) == 4
+    for group in (0, 1):
+        assert e2e_bench.group_of(r.new_serving[group]) == group
+        # the pod serving now is one the rollout made; the one serving before is gone or renewed
+        assert r.new_serving[group] not in before or r.hashes[r.new_serving[group]] != before[r.new_serving[group]]
+    assert r.slice_changes >= 4, r
+    assert r.empty_windows == [], f"groups without a ready serving endpoint during the rollout: {r.empty_windows}"
+    # the new engines really run the new template's arguments
+    for name in r.hashes:
+        run = e2e.kubelet.run_of(e2e.ns, name)
+        assert run is not None and run.proc is not None and "128" in run.proc.args
