@@ -108,10 +108,10 @@ def test_no_group_is_left_without_a_serving_endpoint(e2e: e2e_bench.EndToEnd,
     """Every EndpointSlice state during the trials lists a ready serving engine of each group.
 
     One race is outside the product's reach: a kubelet that marks the killed pod not ready
-    before the agent's write lands (the fake kubelet notices an exit within 100 ms, a
-    kubelet's relist within a second) leaves the group empty until the write arrives. Such a
-    window must be closed by the promoted standby within the bar; anything longer (the
-    operator taking the label back from a fresh primary, say) fails.
+    before the agent's write lands leaves the group empty until the write arrives (the fake
+    kubelet looks at its pods every second, as a kubelet's relist does, so this is rare).
+    Such a window must be closed by the promoted standby within the bar; anything longer
+    (the operator taking the label back from a fresh primary, say) fails.
     """
     assert results.slice_changes > 2 * TRIALS
     too_long = [w for w in results.empty_windows if w[2] > e2e_bench.BAR_P99_S]
