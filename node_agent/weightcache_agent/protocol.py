@@ -26,6 +26,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 from .errors import AgentUnavailable, ProtocolError, WeightCacheError
@@ -35,7 +36,10 @@ PROTOCOL_VERSION = 2  # 2: manifest forms table, file signature in attach reques
 HEADER = struct.Struct("!4sHHI")
 MAX_REQUEST_BYTES = 1 << 20  # what the agent accepts from a client
 MAX_REPLY_BYTES = 256 << 20  # what a client accepts from the agent (manifests of 100k+ tensors)
-MAX_FDS = 64
+MAX_FDS = 64  # what a client accepts with a manifest
+# What the agent accepts with a request: only a `rejoin` carries fds (one per arena), and
+# only on the first segment of its frame; anything more is closed by the kernel or by us.
+MAX_REQUEST_FDS = 4
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
@@ -54,13 +58,21 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | 
         sock.sendall(header + body)
 
 
-def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """Read one frame. Returns (message, fds); the caller owns the fds."""
+def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
+                 deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame. Returns (message, fds); the caller owns the fds.
+
+    fds are taken only with the first bytes of a frame: a peer that attaches more to later
+    segments gets a `ProtocolError` and every fd it sent is closed. `deadline` (a
+    `time.monotonic()` value) bounds the whole frame, however slowly its bytes arrive;
+    past it, `socket.timeout` is raised.
+    """
     header = bytearray()
     fds: list[int] = []
     try:
         while len(header) < HEADER.size:
-            data, new_fds = _recv_with_fds(sock, HEADER.size - len(header), max_fds)
+            _arm(sock, deadline)
+            data, new_fds = _recv_with_fds(sock, HEADER.size - len(header), max_fds if not header else 0)
             fds += new_fds
             if not data:
                 if header:
@@ -74,18 +86,41 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0) -> tuple
             raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
-        body = _recv_exact(sock, length)
-        try:
-            message = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProtocolError(f"frame body is not JSON: {e}") from None
-        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-            raise ProtocolError("frame body is not a JSON object with a string 'type'")
+        body = _recv_exact(sock, length, deadline)
+        message = decode_body(body)
         return message, fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not.
+
+    Nesting too deep for the parser and integers too long to convert are refused like any
+    other malformed body: a peer must not be able to turn a frame into a traceback.
+    """
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"frame body is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("frame body nests too deeply") from None
+    except ValueError as e:  # integers beyond the interpreter's digit limit
+        raise ProtocolError(f"frame body is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError("frame body is not a JSON object with a string 'type'")
+    return message
+
+
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("request deadline passed")
+    sock.settimeout(left)
 
 
 def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[bytes, list[int]]:
@@ -110,30 +145,54 @@ def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[byte
     return data, received
 
 
-def _recv_exact(sock: socket.socket, length: int) -> bytes:
+def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:
     buf = bytearray(length)
     view = memoryview(buf)
     got = 0
+    space = socket.CMSG_SPACE(struct.calcsize("i"))
     while got < length:
-        n = sock.recv_into(view[got:])
+        _arm(sock, deadline)
+        # recvmsg_into, not recv_into: fds riding on body bytes must be seen to be closed.
+        n, ancdata, flags, _addr = sock.recvmsg_into([view[got:]], space)
+        if ancdata or flags & socket.MSG_CTRUNC:
+            _close_ancillary(ancdata)
+            raise ProtocolError("peer sent file descriptors inside a frame body")
         if n == 0:
             raise ProtocolError(f"connection closed inside a frame body ({got} of {length} bytes)")
         got += n
     return bytes(buf)
 
 
+def _close_ancillary(ancdata: list[tuple[int, int, bytes]]) -> None:
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    for fd in fds:
+        os.close(fd)
+
+
 def error_message(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"type": "error", "code": code, "message": message, **extra}
 
 
-def peer_pid(sock: socket.socket) -> int | None:
-    """The peer's pid as the kernel saw it at connect time (0 when it lives in a PID namespace we cannot see)."""
+def peer_credentials(sock: socket.socket) -> tuple[int | None, int, int]:
+    """(pid, uid, gid) of the peer as the kernel recorded them at connect time.
+
+    The pid is None where the peer lives in a PID namespace this process cannot see (the
+    kernel reports 0 there). uid and gid are -1 when the kernel gives no credentials.
+    """
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-        pid, _uid, _gid = struct.unpack("3i", creds)
-        return pid or None
     except OSError:
-        return None
+        return None, -1, -1
+    pid, uid, gid = struct.unpack("3i", creds)
+    return (pid or None), uid, gid
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The peer's pid as the kernel saw it at connect time (None when it lives in a PID namespace we cannot see)."""
+    return peer_credentials(sock)[0]
 
 
 def connect(path: str) -> socket.socket:

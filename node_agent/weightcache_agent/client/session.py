@@ -34,6 +34,8 @@ from ..spec import CacheSpec
 log = logging.getLogger(__name__)
 
 MODES = ("client", "daemon", "off")
+# What a manifest reply must carry, checked before any of it is used: garbage is a ProtocolError.
+_MANIFEST_MEMBERS = (("fingerprint", str), ("fields", dict), ("bytes", int), ("layout_hash", str), ("role", str))
 
 
 class Attachment:
@@ -49,7 +51,7 @@ class Attachment:
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
-                 on_promote: Callable[["Attachment"], None] | None = None):
+                 on_promote: Callable[["Attachment"], None] | None = None, rejoin_token: str | None = None):
         self.source = source  # "agent" or "disk"
         self.fingerprint = fingerprint
         self.fields = fields
@@ -66,6 +68,7 @@ class Attachment:
         self._fds = fds or []
         self._arenas = arenas or []
         self._on_promote = on_promote
+        self._rejoin_token = rejoin_token  # proves to a restarted agent that this engine held a lease
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         if conn is not None:
@@ -108,8 +111,9 @@ class Attachment:
             try:
                 conn.settimeout(30)
                 protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
-                                             "fields": self.fields, "fingerprint": self.fingerprint,
-                                             "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
+                                             "token": self._rejoin_token, "fields": self.fields,
+                                             "fingerprint": self.fingerprint, "layout_hash": self.layout_hash,
+                                             "arenas": self._arenas}, self._fds)
                 reply, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
             except (EOFError, OSError, ProtocolError):
                 conn.close()
@@ -161,8 +165,9 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
-    "off" loads from disk in-process with the agent's loader. With `fallback=True`, a
-    missing or mismatched agent means a disk load instead of an error.
+    "off" loads from disk in-process with the agent's loader. With `fallback=True`, an
+    agent that is missing, mismatched, silent, gone mid-answer or answering garbage means a
+    disk load (with the reason logged) instead of an error.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -177,10 +182,11 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         else:
             conn = protocol.connect(socket)
         return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout)
-    except (AgentUnavailable, FingerprintMismatch) as e:
+    except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
-        log.warning("%s; loading from disk instead (fallback=True)", e)
+        log.warning("attach through %s failed (%s: %s); loading from disk instead (fallback=True)", socket,
+                    type(e).__name__, e or "no detail")
         return _attach_from_disk(module, spec, strict)
 
 
@@ -230,8 +236,11 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         protocol.raise_on_error(reply, conn.getpeername())
-        if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
-            raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
+        arenas = reply.get("arenas")
+        if reply["type"] != "manifest" or not isinstance(arenas, list) or len(fds) != len(arenas) or not all(
+                isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
+            raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
+                                f"{len(fds)} fd(s)")
         tensors = _bind_over(reply, fds, module, strict)
         conn.settimeout(None)
     except BaseException:
@@ -242,7 +251,8 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
     return Attachment(source="agent", fingerprint=reply["fingerprint"], fields=reply["fields"],
                       nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
-                      group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote)
+                      group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote,
+                      rejoin_token=reply.get("rejoin_token"))
 
 
 def _ask_attach(conn: socketlib.socket, role: str, group: str | None, request: dict[str, Any]) -> tuple[dict, list[int]]:
