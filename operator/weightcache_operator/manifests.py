@@ -233,6 +233,8 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         "args": agent_args(cs, namespace, name),
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # The agent's HTTP endpoints listen on the pod's IP only, not on every address.
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # The agent is not given GPUs through the device plugin (that would take
             # them away from engines); the NVIDIA runtime exposes all of them.
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},

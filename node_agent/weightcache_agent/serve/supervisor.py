@@ -41,6 +41,7 @@ from typing import Any, Callable, TextIO
 
 from .agent import remove_socket_files
 from ..protocol import agent_status
+from .stop import StopFlag
 from ..arena.devices import Device, resolve_backend, select_devices
 from ..errors import WeightCacheError
 from .process_group import die_with_parent
@@ -87,13 +88,15 @@ class NodeConfig:
     handshake_timeout: float = 10.0
     log_format: str = "text"
     node_name: str = ""
+    socket_group: str | None = None
+    max_leases: int = 256
 
     def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
                 "--model", self.model, "--socket", socket_path,
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
                 "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
-                "--handshake-timeout", str(self.handshake_timeout),
+                "--handshake-timeout", str(self.handshake_timeout), "--max-leases", str(self.max_leases),
                 "--log-format", self.log_format, "--progress", "never"]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
@@ -103,6 +106,8 @@ class NodeConfig:
             argv += ["--sharding", self.sharding]
         if self.expert_parallel:
             argv.append("--expert-parallel")
+        if self.socket_group is not None:
+            argv += ["--socket-group", str(self.socket_group)]
         return argv
 
 
@@ -368,7 +373,7 @@ class NodeSupervisor:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: "threading.Event | StopFlag") -> None:
         """Supervise until `stop` is set, then stop every worker. Call from the main thread."""
         os.makedirs(self.config.socket_dir, exist_ok=True)
         log.info("node %s: serving %d rank(s) of %s on %s backend, sockets in %s", self.config.node_name,
@@ -446,6 +451,16 @@ class NodeSupervisor:
         return True, "ok"
 
 
+def http_host(flag: str | None) -> str:
+    """Where the HTTP endpoints listen: the flag, else $WEIGHTCACHE_HTTP_HOST, else the pod's IP, else loopback.
+
+    Never every address by default: a node's other interfaces have no business with the agent.
+    """
+    if flag is not None:
+        return flag
+    return os.environ.get("WEIGHTCACHE_HTTP_HOST") or os.environ.get("POD_IP") or "127.0.0.1"
+
+
 def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`weightcache agent --socket-dir ...`: supervise this node's ranks and serve HTTP until SIGTERM."""
     from .agent_http import AgentHTTPServer, AgentMetrics
@@ -454,8 +469,18 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--tp-size must be at least 1, got {args.tp_size}")
     if args.tp_rank != 0:
         parser.error("--tp-rank names one worker's rank; with --socket-dir every rank runs here")
+    from .access import AccessError, SocketPolicy, check_socket_path, prepare_dir
+
     node_name = args.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
     socket_dir = os.path.abspath(args.socket_dir)
+    try:
+        policy = SocketPolicy.from_group(args.socket_group)
+        prepare_dir(socket_dir, policy)
+        # a GPU UUID socket name is 45 bytes: refuse a directory that leaves no room for it now, not per worker
+        check_socket_path(os.path.join(socket_dir, "GPU-00000000-0000-0000-0000-000000000000.sock"))
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 1
     setup_error = None
     try:
         backend = resolve_backend(args.backend)
@@ -467,18 +492,19 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel,
-                        handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name)
+                        handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
+                        socket_group=args.socket_group, max_leases=args.max_leases)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(rank, d.uuid) for rank, d in enumerate(devices)])
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag().on_signals()
+    host = http_host(args.http_host)
     try:
-        server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry)
+        server = AgentHTTPServer(host, args.http_port, supervisor, metrics.registry)
     except OSError as e:
-        print(f"weightcache agent: cannot serve HTTP on port {args.http_port}: {e}", file=sys.stderr)
+        print(f"weightcache agent: cannot serve HTTP on {host or '*'}:{args.http_port}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
     server.start()
     if args.port_file:
