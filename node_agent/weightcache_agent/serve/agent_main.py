@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group (name or gid) whose members may connect to the socket, besides root "
                         "(default: $WEIGHTCACHE_SOCKET_GROUP, else none)")
     p.add_argument("--max-leases", type=int, default=256, help="engines one socket serves at most")
+    p.add_argument("--max-pending", type=int, default=64,
+                   help="connections still sending their first request; past it the oldest is dropped")
     p.add_argument("--adopt-wait", type=float, default=3.0,
                    help="after a restart with engines still attached, seconds to wait for one to hand the arena back")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
@@ -94,7 +96,7 @@ def main(argv: list[str]) -> int:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 2
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
-                  adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases)
+                  adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending)
     try:
         agent.bind()
     except AccessError as e:
