@@ -42,9 +42,12 @@ def main() -> None:
     ckpt = open_checkpoint(model)
     module = skeleton_module({n: (r.shape, r.dtype) for n, r in ckpt.tensors.items()})
     before = rss_anon()
-    att = attach(module, CacheSpec(model=model), socket=socket)
+    events: list[dict] = []  # promote / demote, as the lease thread saw them
+    att = attach(module, CacheSpec(model=model), socket=None if socket == "-" else socket,  # "-": from the environment
+                 on_promote=lambda a: events.append({"event": "promote", "role": a.role}),
+                 on_demote=lambda a: events.append({"event": "demote", "role": a.role}))
     params = dict(module.named_parameters())
-    reply = {"attached": True, "bytes": att.bytes, "source": att.source, "pid": os.getpid()}
+    reply = {"attached": True, "bytes": att.bytes, "source": att.source, "pid": os.getpid(), "role": att.role}
     print(json.dumps(reply), flush=True)
     for line in sys.stdin:
         cmd = line.strip()
@@ -71,7 +74,7 @@ def main() -> None:
             except PermissionError as e:
                 out = {"writable_map": False, "error": str(e)}
         elif cmd == "status":
-            out = {"agent_alive": att.agent_alive, "role": att.role, "rejoins": att.rejoins}
+            out = {"agent_alive": att.agent_alive, "role": att.role, "rejoins": att.rejoins, "events": events}
         elif cmd == "exit":
             att.close()
             out = {"closed": True}

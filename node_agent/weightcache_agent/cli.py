@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("agent", help="load a model and serve it to engines", add_help=False)
     sub.add_parser("status", help="show what an agent holds and who is attached", add_help=False)
+    sub.add_parser("switchover", help="hand a group's primary role to one of its standbys", add_help=False)
     sub.add_parser("engine", help="run the reference inference engine", add_help=False)
     sub.add_parser("demo", help="the whole story on this machine: load, attach, serve, fail over", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
@@ -26,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         from .serve.agent_main import main as run
     elif command == "status":
         from .serve.status_cli import main as run
+    elif command == "switchover":
+        from .serve.switchover import main as run
     elif command == "engine":
         from .engine.main import main as run
     elif command == "demo":

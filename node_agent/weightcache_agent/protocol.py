@@ -8,9 +8,14 @@ carry a large manifest. Anything else raises `ProtocolError` naming what was wro
 
 Messages (client -> agent):
   {"type": "status"}                                   -> {"type": "status", ...}
-  {"type": "attach", "pid", "role", "group", "request"} -> {"type": "manifest", ...} + fds, then the
-      connection is the lease; the agent may later send {"type": "promote"}.
+  {"type": "attach", "pid", "role", "group", "pod", "request"} -> {"type": "manifest", ...} + fds, then
+      the connection is the lease; the agent may later send {"type": "promote"} or {"type": "demote"}.
+      role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
   {"type": "detach"}                                   -> the lease ends cleanly
+  {"type": "switchover", "group", "to_pod" | "to_pid"} -> {"type": "switched", ...}: a planned handover
+      (privileged peers only): that standby is promoted and the group's primary demoted in one
+      step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
+      to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
   {"type": "rejoin", "pid", "role", "group", "fields", "fingerprint", "layout_hash", "arenas"} + fds
       -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
       offers the arena it still maps; a restarted agent adopts it instead of reading the disk.
@@ -176,22 +181,18 @@ def error_message(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"type": "error", "code": code, "message": message, **extra}
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int | None, int, int]:
-    """(pid, uid, gid) of the peer as the kernel recorded them at connect time.
-
-    The pid is None where the peer lives in a PID namespace this process cannot see (the
-    kernel reports 0 there). uid and gid are -1 when the kernel gives no credentials.
-    """
+def peer_credentials(sock: socket.socket) -> tuple[int | None, int | None, int | None]:
+    """(pid, uid, gid) of the peer as the kernel saw them at connect time; pid None when it
+    lives in a PID namespace we cannot see, all None when the kernel will not say."""
     try:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except OSError:
-        return None, -1, -1
+        return None, None, None
     pid, uid, gid = struct.unpack("3i", creds)
-    return (pid or None), uid, gid
+    return pid or None, uid, gid
 
 
 def peer_pid(sock: socket.socket) -> int | None:
-    """The peer's pid as the kernel saw it at connect time (None when it lives in a PID namespace we cannot see)."""
     return peer_credentials(sock)[0]
 
 

@@ -5,8 +5,10 @@ sends its spec, its checkpoint's file signature and its role, receives the manif
 the arena fd, maps the arena read-only and binds the module's own parameters to one
 strided view per tensor (`rebind.bind_manifest`).
 The connection stays open as the lease; a background thread waits on it for a
-`promote` message (hot standby) or for the agent to go away (the weights stay mapped,
-the engine keeps serving). `off` mode runs the agent's own loader in-process; `daemon`
+`promote` or `demote` message (hot standby, planned switchover) or for the agent to go
+away (the weights stay mapped, the engine keeps serving). In a pod that an EngineSet
+runs, everything but the model and the spec comes from the environment the operator
+injects: the socket of this rank's GPU (by UUID), the group, the role and the pod. `off` mode runs the agent's own loader in-process; `daemon`
 mode starts an agent when none answers. Imports torch, never kopf or kubernetes.
 """
 from __future__ import annotations
@@ -36,13 +38,18 @@ log = logging.getLogger(__name__)
 MODES = ("client", "daemon", "off")
 # What a manifest reply must carry, checked before any of it is used: garbage is a ProtocolError.
 _MANIFEST_MEMBERS = (("fingerprint", str), ("fields", dict), ("bytes", int), ("layout_hash", str), ("role", str))
+ENV_SOCKET, ENV_SOCKET_DIR, ENV_DEVICES = "WEIGHTCACHE_SOCKET", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES"
+ENV_ROLE, ENV_GROUP = "WEIGHTCACHE_ROLE", "WEIGHTCACHE_GROUP"
+ENV_POD = {"namespace": "WEIGHTCACHE_POD_NAMESPACE", "name": "WEIGHTCACHE_POD_NAME", "uid": "WEIGHTCACHE_POD_UID"}
 
 
 class Attachment:
     """What `attach` returns: where the weights came from, and the lease on them.
 
     While attached to an agent, a thread watches the connection. A `promote` message
-    makes this engine its group's primary (and calls `on_promote`). If the agent goes
+    makes this engine its group's primary (and calls `on_promote`); a `demote` message (a
+    planned switchover handed the role to another engine) makes it a standby again and
+    calls `on_demote`, whose job is to stop taking new requests and finish the ones in flight. If the agent goes
     away, the weights stay mapped and the thread keeps knocking on the socket: a
     restarted agent gets a `rejoin` with this engine's arena fds, which it may adopt
     instead of reading the disk again.
@@ -51,7 +58,9 @@ class Attachment:
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
-                 on_promote: Callable[["Attachment"], None] | None = None, rejoin_token: str | None = None):
+                 on_promote: Callable[["Attachment"], None] | None = None,
+                 on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None,
+                 rejoin_token: str | None = None):
         self.source = source  # "agent" or "disk"
         self.fingerprint = fingerprint
         self.fields = fields
@@ -69,6 +78,8 @@ class Attachment:
         self._arenas = arenas or []
         self._on_promote = on_promote
         self._rejoin_token = rejoin_token  # proves to a restarted agent that this engine held a lease
+        self._on_demote = on_demote
+        self.pod = pod
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         if conn is not None:
@@ -90,6 +101,11 @@ class Attachment:
                         log.info("promoted to primary of group %s", message.get("group"))
                         if self._on_promote is not None:
                             self._on_promote(self)
+                    elif message["type"] == "demote":
+                        self.role = "standby"
+                        log.info("demoted to standby of group %s (planned switchover)", message.get("group"))
+                        if self._on_demote is not None:
+                            self._on_demote(self)
             except (EOFError, OSError, ProtocolError) as e:
                 if self._closed.is_set():
                     return
@@ -111,9 +127,9 @@ class Attachment:
             try:
                 conn.settimeout(30)
                 protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
-                                             "token": self._rejoin_token, "fields": self.fields,
-                                             "fingerprint": self.fingerprint, "layout_hash": self.layout_hash,
-                                             "arenas": self._arenas}, self._fds)
+                                             "pod": self.pod, "token": self._rejoin_token,
+                                             "fields": self.fields, "fingerprint": self.fingerprint,
+                                             "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
                 reply, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
             except (EOFError, OSError, ProtocolError):
                 conn.close()
@@ -160,28 +176,34 @@ class Attachment:
 
 
 def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: str = "client", fallback: bool = False,
-           role: str = "primary", group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
-           strict: bool = True, timeout: float = 600.0) -> Attachment:
+           role: str | None = None, group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
+           strict: bool = True, timeout: float = 600.0,
+           on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
     "off" loads from disk in-process with the agent's loader. With `fallback=True`, an
     agent that is missing, mismatched, silent, gone mid-answer or answering garbage means a
     disk load (with the reason logged) instead of an error.
+
+    socket: the agent's socket; default `$WEIGHTCACHE_SOCKET`, else the socket of this
+    rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's entry of
+    `$WEIGHTCACHE_DEVICES`. role ("primary", "standby", or "auto": primary when the group
+    has none) and group default to `$WEIGHTCACHE_ROLE` (else "primary") and `$WEIGHTCACHE_GROUP`.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "off":
         return _attach_from_disk(module, spec, strict)
-    socket = socket or os.environ.get("WEIGHTCACHE_SOCKET")
-    if not socket:
-        raise ValueError("attach needs socket= (or $WEIGHTCACHE_SOCKET) in client and daemon mode")
+    socket = socket or socket_from_env(spec.tp_rank)
+    role = role or os.environ.get(ENV_ROLE) or "primary"
+    group = group or os.environ.get(ENV_GROUP) or None
     try:
         if mode == "daemon":
             conn = _connect_or_start(socket, spec, timeout)
         else:
             conn = protocol.connect(socket)
-        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout)
+        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
@@ -190,8 +212,26 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         return _attach_from_disk(module, spec, strict)
 
 
+def socket_from_env(rank: int = 0) -> str:
+    """The agent socket this engine rank should use, from the environment (see `attach`)."""
+    if os.environ.get(ENV_SOCKET):
+        return os.environ[ENV_SOCKET]
+    directory, devices = os.environ.get(ENV_SOCKET_DIR), os.environ.get(ENV_DEVICES, "")
+    if not directory:
+        raise ValueError(f"attach needs socket= (or ${ENV_SOCKET}, or ${ENV_SOCKET_DIR} with ${ENV_DEVICES}) "
+                         "in client and daemon mode")
+    uuids = [d.strip() for d in devices.split(",") if d.strip()]
+    if rank >= len(uuids):
+        raise ValueError(f"${ENV_DEVICES}={devices!r} names {len(uuids)} device(s); rank {rank} needs one of its own")
+    if "/" in uuids[rank] or uuids[rank].startswith("."):
+        raise ValueError(f"${ENV_DEVICES}: {uuids[rank]!r} is not a device UUID")
+    return os.path.join(directory, f"{uuids[rank]}.sock")
 
 
+def pod_from_env() -> dict[str, str] | None:
+    """This engine's pod (namespace, name, uid), when the operator injected it."""
+    pod = {key: os.environ.get(env, "") for key, env in ENV_POD.items()}
+    return pod if all(pod.values()) else None
 
 
 def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.socket:
@@ -220,19 +260,21 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 
 
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
-                 on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float) -> Attachment:
+                 on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
+                 on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
+    pod = pod_from_env()
     try:
         conn.settimeout(timeout)
-        reply, fds = _ask_attach(conn, role, group, engine_request(spec))
+        reply, fds = _ask_attach(conn, role, group, pod, engine_request(spec))
         if reply.get("type") == "error" and reply.get("code") == "revision_required":
             # Our files are not the very ones the agent read (a copy, another mount): compare content.
             path = conn.getpeername()
             conn.close()
             conn = protocol.connect(path)
             conn.settimeout(timeout)
-            reply, fds = _ask_attach(conn, role, group, engine_request(spec, with_revision=True))
+            reply, fds = _ask_attach(conn, role, group, pod, engine_request(spec, with_revision=True))
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         protocol.raise_on_error(reply, conn.getpeername())
@@ -252,11 +294,13 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote,
-                      rejoin_token=reply.get("rejoin_token"))
+                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"))
 
 
-def _ask_attach(conn: socketlib.socket, role: str, group: str | None, request: dict[str, Any]) -> tuple[dict, list[int]]:
-    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "request": request})
+def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
+                request: dict[str, Any]) -> tuple[dict, list[int]]:
+    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
+                                 "request": request})
     return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
 
 

@@ -25,12 +25,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache engine",
                                 description="Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.")
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
-    p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET); not needed with --mode off")
+    p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
+                                    "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
     p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",
                    help="client: attach to a running agent; daemon: start one if none answers; off: load from disk in-process")
     p.add_argument("--fallback", action="store_true", help="load from disk if the agent is missing or holds other weights")
-    p.add_argument("--role", choices=("primary", "standby"), default="primary")
-    p.add_argument("--group", help="hot-standby group: a standby takes over when its group's primary dies")
+    p.add_argument("--role", choices=("primary", "standby", "auto"), default=os.environ.get("WEIGHTCACHE_ROLE") or "primary",
+                   help="auto: primary when the group has none, else standby (default: $WEIGHTCACHE_ROLE or primary)")
+    p.add_argument("--group", default=os.environ.get("WEIGHTCACHE_GROUP") or None,
+                   help="hot-standby group: a standby takes over when its group's primary dies (default: $WEIGHTCACHE_GROUP)")
+    p.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight may take to finish")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, see --port-file)")
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
@@ -50,8 +55,9 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_format, getattr(logging, args.log_level.upper()))
-    if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")):
-        parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET)")
+    if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
+                                   or os.environ.get("WEIGHTCACHE_SOCKET_DIR")):
+        parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
 
@@ -99,7 +105,9 @@ def main(argv: list[str]) -> int:
     if code == 0:
         while not stop.wait(0.5):
             pass
-        log.info("shutting down (served %d requests)", engine.requests)
+        left = engine.drain(args.drain_seconds)
+        log.info("shutting down (served %d requests%s)", engine.requests,
+                 f"; {left} still in flight after {args.drain_seconds:g}s" if left else "")
     server.shutdown()
     server.server_close()
     engine.close()

@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
-from ..client.session import Attachment, attach
+from ..client.session import Attachment, attach, socket_from_env
 from ..load.checkpoint import dtype_from_name, open_checkpoint
 from ..load.fingerprint import resolved_dtype
 from .model import CausalLM, ModelConfig, build_model
@@ -37,7 +37,7 @@ log = logging.getLogger("weightcache.engine")
 
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT = 30.0  # seconds a client may leave a request unfinished
-ROLES = ("primary", "standby")
+ROLES = ("primary", "standby", "auto")
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,9 @@ class Engine:
             raise ValueError(f"role must be one of {ROLES}, got {options.role!r}")
         self.options = options
         self.spec = options.spec()
-        self.role = options.role
+        self.role = options.role  # "auto" until the agent says which
+        self.draining = False  # demoted by a planned switchover: finish what comes, take no new role
+        self.in_flight = 0
         self.state = "starting"
         self.error: str | None = None
         self.model: CausalLM | None = None
@@ -135,9 +137,14 @@ class Engine:
             self.state = "attaching"
             opts = self.options
             if opts.mode != "off":
-                _prepare_device(opts.socket or os.environ.get("WEIGHTCACHE_SOCKET"))
+                try:
+                    _prepare_device(opts.socket or socket_from_env(opts.tp_rank))
+                except ValueError:
+                    pass  # no socket anywhere: attach says so
             model, self.attachment = load_model(self.spec, mode=opts.mode, socket=opts.socket, fallback=opts.fallback,
-                                                role=opts.role, group=opts.group, on_promote=self._on_promote)
+                                                role=opts.role, group=opts.group, on_promote=self._on_promote,
+                                                on_demote=self._on_demote)
+            self.role = self.attachment.role
             log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s)",
                      os.path.basename(os.path.abspath(opts.model)), self.attachment.source,
                      self.attachment.seconds * 1e3, len(self.attachment.tensors), self.attachment.bytes / 2**20,
@@ -168,6 +175,20 @@ class Engine:
         log.warning("PROMOTED: %s -> %s of group %s; now %s", previous, self.role, self.options.group,
                     "serving traffic" if self.ready else f"ready once {self.state} finishes")
 
+    def _on_demote(self, attachment: Attachment) -> None:
+        # A planned switchover made another engine primary. Requests routed here until the
+        # cluster stops routing are still answered (make before break); /readyz says no.
+        self.role, self.draining = attachment.role, True
+        log.warning("DEMOTED: standby of group %s; draining (still answering until traffic moves)",
+                    self.options.group)
+
+    def drain(self, timeout: float) -> int:
+        """Wait until no request is in flight (at most `timeout` s); returns how many still are."""
+        deadline = time.monotonic() + timeout
+        while self.in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.in_flight
+
     # -- state ---------------------------------------------------------------------------------
 
     @property
@@ -192,6 +213,7 @@ class Engine:
             "role": self.role,
             "group": self.options.group,
             "ready": self.ready,
+            "draining": self.draining,
             "error": self.error,
             "model": os.path.abspath(self.options.model),
             "mode": self.options.mode,
@@ -248,7 +270,7 @@ class Engine:
         return tokens, max_tokens
 
     def generate(self, body: bytes) -> dict[str, Any]:
-        if not self.ready:
+        if not (self.ready or (self.draining and self.state == "serving")):
             raise BadRequest(f"not serving: {self.not_ready_reason()}", HTTPStatus.SERVICE_UNAVAILABLE)
         tokens, max_tokens = self.parse_generate(body)
         if self.spec.tp_size != 1:
@@ -256,10 +278,15 @@ class Engine:
                              "reference engine serves tp_size=1 only", HTTPStatus.NOT_IMPLEMENTED)
         assert self.model is not None
         t0 = time.perf_counter()
-        with self._lock:
-            out = self.model.generate(tokens, max_tokens)
+        self.in_flight += 1  # read by drain(); the GIL makes += on an int safe enough for a gauge
+        try:
+            with self._lock:
+                out = self.model.generate(tokens, max_tokens)
+        finally:
+            self.in_flight -= 1
         self.requests += 1
-        return {"tokens": out, "seconds": time.perf_counter() - t0, "role": self.role}
+        return {"tokens": out, "seconds": time.perf_counter() - t0, "role": self.role,
+                "fingerprint": self.attachment.fingerprint if self.attachment else None}
 
 
 # -- HTTP ------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
@@ -55,7 +55,9 @@ MAX_PENDING = 64  # connections still in their first request; past it the oldest
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,252}")  # Kubernetes-style names, bounded
 MAX_TOKEN_CHARS = 128
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
-ROLES = ("primary", "standby")
+ROLES = ("primary", "standby", "auto")
+POD_FIELDS = ("namespace", "name", "uid")
+MAX_POD_FIELD = 253  # a DNS subdomain: the longest pod name or namespace Kubernetes allows
 
 
 @dataclass
@@ -67,12 +69,13 @@ class Lease:
     group: str | None
     uid: int = -1
     token_hash: str = ""  # sha256 of the rejoin token handed to this engine
+    pod: dict[str, str] | None = None  # the engine's pod, as it says (labels follow roles by it)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": self.role, "group": self.group,
-                "attached_at": self.since}
+                "pod": self.pod, "attached_at": self.since}
 
     def record(self) -> dict[str, Any]:
         """What the state file keeps of this lease: enough to recognise its engine after a restart."""
@@ -87,8 +90,12 @@ class Lease:
 class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0,
-                 policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING):
+                 policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING,
+                 on_promote: Callable[[Lease], None] | None = None):
         self.spec = spec
+        # Called (on the thread that promoted) right after a standby is told it is primary:
+        # the node-side label write that makes the cluster follow.
+        self.on_promote = on_promote
         self.policy = policy or SocketPolicy()
         self.max_leases = max_leases
         self.max_pending = max_pending
@@ -402,6 +409,11 @@ class Agent:
                     fds = []
                     if lease is None:
                         return
+                elif kind == "switchover":
+                    self._done_pending(key)
+                    conn.settimeout(self.handshake_timeout)
+                    self._switchover(conn, message)
+                    return
                 else:
                     raise ProtocolError(f"unexpected message type {kind!r} before attach")
             conn.settimeout(None)
@@ -479,14 +491,14 @@ class Agent:
                 "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
             return None
         token = secrets.token_hex(32)
-        lease = self._register(conn, peer, uid, role, group, _hash_token(token))
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
         if lease is None:
             return None
         cache = self.cache
         reply = {
             "type": "manifest",
             "lease": lease.id,
-            "role": role,
+            "role": lease.role,
             "backend": cache.arena.backend,
             "fingerprint": cache.fingerprint,
             "fields": cache.fields,
@@ -505,7 +517,8 @@ class Agent:
         # a new count with an old sample.
         self.attach_seconds = (self.attach_seconds + [seconds])[-1000:]
         self.attaches += 1
-        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", peer, role, group, lease.id, seconds * 1e3)
+        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", peer, lease.role, group, lease.id,
+                 seconds * 1e3)
         return lease
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -518,22 +531,27 @@ class Agent:
         return dict(fields)
 
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
-                  token_hash: str) -> Lease | None:
-        """A new lease, durable in the state file, or None (after telling the client why not)."""
+                  token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
+        """A new lease, durable in the state file, or None (after telling the client why not).
+
+        Role "auto" is decided here, under the lock: primary when the group has none, else standby.
+        """
         refusal = None
         with self._lock:
+            has_primary = group is not None and any(
+                lease.role == "primary" and lease.group == group for lease in self._leases.values())
+            if role == "auto":
+                role = "standby" if has_primary else "primary"
             if len(self._leases) >= self.max_leases:
                 refusal = protocol.error_message("too_many_leases", f"this agent holds its cap of {self.max_leases} "
                                                                     "leases; try again later")
             elif group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
                 refusal = protocol.error_message("group_taken", f"group {group!r} belongs to another user")
-            elif role == "primary" and group is not None and any(
-                lease.role == "primary" and lease.group == group for lease in self._leases.values()
-            ):
+            elif role == "primary" and has_primary:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
             else:
-                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash)
+                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
                 self._leases[lease.id] = lease
                 try:
                     self._write_state()
@@ -613,11 +631,11 @@ class Agent:
         finally:
             for fd in fds:
                 os.close(fd)
-        lease = self._register(conn, peer, uid, role, group, record["token"])
+        lease = self._register(conn, peer, uid, role, group, record["token"], _pod_identity(message.get("pod")))
         if lease is None:
             return None
-        lease.send({"type": "rejoined", "lease": lease.id, "role": role, "adopted": adopt})
-        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", peer, role, group, lease.id,
+        lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt})
+        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", peer, lease.role, group, lease.id,
                  " (its arena adopted)" if adopt else "")
         return lease
 
@@ -641,12 +659,85 @@ class Agent:
                     successor.role = "primary"
         log.info("detached pid=%s role=%s group=%s lease=%d", lease.pid, lease.role, lease.group, lease.id)
         if successor is not None:
+            self._promote(successor, {"type": "promote", "group": lease.group, "previous_pid": lease.pid})
+
+    def _promote(self, lease: Lease, message: dict[str, Any]) -> bool:
+        """Tell a lease (already primary in our books) that it is; then let the cluster follow."""
+        try:
+            lease.send(message)
+        except OSError as e:
+            log.warning("promotion of pid=%s failed (%s); trying the next standby", lease.pid, e)
+            _shutdown(lease.conn)  # its lease ends, and the next standby is promoted
+            return False
+        log.info("promoted pid=%s to primary of group %s", lease.pid, lease.group)
+        if self.on_promote is not None:
             try:
-                successor.send({"type": "promote", "group": lease.group, "previous_pid": lease.pid})
-                log.info("promoted pid=%s to primary of group %s", successor.pid, lease.group)
-            except OSError as e:
-                log.warning("promotion of pid=%s failed (%s); trying the next standby", successor.pid, e)
-                _shutdown(successor.conn)
+                self.on_promote(lease)
+            except Exception:  # the engine is primary either way; the operator's reconcile catches up
+                log.exception("after promoting pid=%s: the promotion hook failed", lease.pid)
+        return True
+
+    def _switchover(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        """A planned handover: promote the named standby and demote the group's primary, in one step.
+
+        With no standby named, only the primary is demoted: the new primary is an engine of
+        another agent (a new revision's, during an upgrade), promoted there first. Only a
+        privileged peer (root, or the agent's own uid: the node's tooling) may ask; an engine
+        cannot take the primary role from another by asking.
+        """
+        started = time.perf_counter()
+        _pid, uid, _gid = protocol.peer_credentials(conn)
+        if uid not in (0, os.geteuid()):
+            raise ProtocolError(f"switchover needs a privileged peer; uid {uid} is not")
+        group, to_pod, to_pid = message.get("group"), message.get("to_pod"), message.get("to_pid")
+        if not isinstance(group, str) or not (to_pod is None or isinstance(to_pod, str)) or \
+                not (to_pid is None or isinstance(to_pid, int)):
+            raise ProtocolError("switchover needs group (a string), and to_pod (a pod name) or to_pid (an int) or "
+                                "neither (demote only)")
+        demote_only = to_pod is None and to_pid is None
+        with self._lock:
+            members = [lease for lease in self._leases.values() if lease.group == group]
+            target = None if demote_only else next((lease for lease in members if lease.role == "standby" and (
+                (to_pid is not None and lease.pid == to_pid) or
+                (to_pod is not None and (lease.pod or {}).get("name") == to_pod))), None)
+            old = [lease for lease in members if lease.role == "primary"]
+            if target is not None or demote_only:
+                if target is not None:
+                    target.role = "primary"
+                for lease in old:
+                    lease.role = "standby"
+        if target is None and not demote_only:
+            protocol.send_message(conn, protocol.error_message(
+                "no_such_standby", f"group {group!r} has no standby {to_pod or to_pid!r} on this agent"))
+            return
+        promoted = target is None or self._promote(target, {
+            "type": "promote", "group": group, "planned": True, "previous_pid": old[0].pid if old else None})
+        for lease in old:  # after the promotion: make before break
+            _try_lease_send(lease, {"type": "demote", "group": group, "successor_pid": target.pid if target else None})
+        seconds = time.perf_counter() - started
+        log.info("switchover of group %s to %s in %.2fms", group,
+                 f"pid={target.pid}" if target else "another agent's engine", seconds * 1e3)
+        protocol.send_message(conn, {"type": "switched", "group": group, "ok": promoted,
+                                     "primary": target.to_json() if target else None,
+                                     "demoted": [lease.to_json() for lease in old], "seconds": seconds})
+
+
+def _pod_identity(value: Any) -> dict[str, str] | None:
+    """The `pod` field of an attach: null, or namespace/name/uid strings of bounded length."""
+    if value is None:
+        return None
+    if not (isinstance(value, dict) and all(
+            isinstance(value.get(k), str) and 0 < len(value[k]) <= MAX_POD_FIELD for k in POD_FIELDS)):
+        raise ProtocolError(f"pod must be null or an object with {', '.join(POD_FIELDS)} (strings of at most "
+                            f"{MAX_POD_FIELD} characters)")
+    return {k: value[k] for k in POD_FIELDS}
+
+
+def _try_lease_send(lease: Lease, message: dict[str, Any]) -> None:
+    try:
+        lease.send(message)
+    except OSError as e:
+        log.warning("could not tell pid=%s %s: %s", lease.pid, message.get("type"), e)
 
 
 def _check_lease_terms(kind: str, role: Any, group: Any) -> None:

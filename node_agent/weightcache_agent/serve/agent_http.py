@@ -4,6 +4,9 @@
     GET /readyz   200 once every rank on the node is loaded (readiness), else 503
     GET /status   the node status document (supervisor.NodeSupervisor.snapshot) as JSON
     GET /metrics  Prometheus text exposition from a registry of our own
+    POST /switchover  {"group", "toPod"}: a planned switchover on every rank of the group (toPod
+                  null: demote only, the new primary is another agent's engine);
+                  only with `Authorization: Bearer <control token>`, and only when a token is set
 
 Every handler reads the supervisor's last published document; none waits on a worker,
 so a probe answers in microseconds even while a rank is wedged. Gauges are produced at
@@ -14,6 +17,7 @@ survives worker restarts the way Prometheus expects counters to.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -33,6 +37,8 @@ log = logging.getLogger("weightcache.http")
 ATTACH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RANK_LABELS = ("rank", "device")
 REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request
+MAX_POST_BYTES = 4096
+MAX_NAME = 253  # a Kubernetes name; groups are "namespace/name"
 
 
 class StatusSource(Protocol):
@@ -41,6 +47,8 @@ class StatusSource(Protocol):
     def ready(self) -> bool: ...
 
     def healthy(self) -> tuple[bool, str]: ...
+
+    def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]: ...
 
 
 class AgentMetrics:
@@ -132,8 +140,9 @@ class _DualStackServer(_Ipv6Server):
 class AgentHTTPServer:
     """The endpoints above on `host:port` (port 0: any free port, see `.port`), served from threads."""
 
-    def __init__(self, host: str, port: int, source: StatusSource, registry: CollectorRegistry):
-        handler = type("Handler", (_Handler,), {"source": source, "registry": registry})
+    def __init__(self, host: str, port: int, source: StatusSource, registry: CollectorRegistry,
+                 control_token: str | None = None):
+        handler = type("Handler", (_Handler,), {"source": source, "registry": registry, "control_token": control_token})
         self._server = _make_server(host, port, handler)
         self.port: int = self._server.server_address[1]
         self._thread: threading.Thread | None = None
@@ -168,6 +177,7 @@ def _make_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) ->
 class _Handler(BaseHTTPRequestHandler):
     source: StatusSource
     registry: CollectorRegistry
+    control_token: str | None = None
     timeout = REQUEST_TIMEOUT
     server_version = "weightcache-agent"
 
@@ -198,6 +208,35 @@ class _Handler(BaseHTTPRequestHandler):
         except Exception:  # one bad request must not look like a dead agent
             log.exception("GET %s failed", path)
             self._json(500, {"error": "internal error; see the agent's log"}, send_body)
+
+    def do_POST(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path != "/switchover" or self.control_token is None:
+            self._json(404, {"error": f"no POST endpoint {path!r}" if path != "/switchover" else
+                             "switchover over HTTP is off on this agent (no control token)"}, True)
+            return
+        offered = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(offered.encode(), f"Bearer {self.control_token}".encode()):
+            self._json(401, {"error": "a valid bearer token is required"}, True)
+            return
+        try:
+            length = int(self.headers.get("Content-Length", ""))
+            if not 0 < length <= MAX_POST_BYTES:
+                raise ValueError(f"Content-Length must be 1..{MAX_POST_BYTES}")
+            body = json.loads(self.rfile.read(length))
+            group, to_pod = body.get("group"), body.get("toPod")
+            if not all(isinstance(v, str) and 0 < len(v) <= 2 * MAX_NAME + 1 for v in (group, to_pod or "-")):
+                raise ValueError("body must be {\"group\": string, \"toPod\": string or null (demote only)}")
+        except (ValueError, AttributeError) as e:
+            self._json(400, {"error": f"bad switchover request: {e}"}, True)
+            return
+        try:
+            result = self.source.switchover(group, to_pod)
+        except Exception as e:  # an agent that does not answer is the caller's news, not a crash
+            log.warning("switchover of %s to %s failed: %s", group, to_pod, e)
+            self._json(502, {"ok": False, "error": str(e)}, True)
+            return
+        self._json(200 if result["ok"] else 409, result, True)
 
     def _json(self, code: int, doc: Any, send_body: bool) -> None:
         self._send(code, "application/json", json.dumps(doc).encode(), send_body)

@@ -30,11 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--socket-dir", help="node mode: run one worker per rank, each serving <dir>/<GPU-UUID>.sock")
     node = p.add_argument_group("node mode (with --socket-dir)")
     node.add_argument("--devices", default="all", help='"all", or a comma list of GPU ordinals and/or UUIDs')
+    node.add_argument("--replicas", type=int, default=0,
+                      help="replicas of the cache on this node, --tp-size GPUs each (default: as many as fit; "
+                           "cpu backend: 1)")
     node.add_argument("--http-port", type=int, default=9464, help="health, metrics and status over HTTP (0: any free port)")
     node.add_argument("--http-host", default=None,
                       help="address for health, metrics and status (default: $WEIGHTCACHE_HTTP_HOST, else $POD_IP, "
                            "else 127.0.0.1; '' or '::' for every address)")
     node.add_argument("--port-file", help="write the HTTP port here once listening")
+    node.add_argument("--control-token-file",
+                      help="enables POST /switchover for holders of this bearer token (default: "
+                           "$WEIGHTCACHE_CONTROL_TOKEN_FILE; without one, switchover is only on the sockets)")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")

@@ -45,6 +45,7 @@ from .stop import StopFlag
 from ..arena.devices import Device, resolve_backend, select_devices
 from ..errors import WeightCacheError
 from .process_group import die_with_parent
+from .switchover import switch_group
 
 log = logging.getLogger("weightcache.supervisor")
 
@@ -57,6 +58,9 @@ FAILED_RETRY = (300.0, 3600.0)  # exit 1: the input may get fixed (a mount appea
 HEARTBEAT_LIMIT = 30.0  # /healthz fails when the main loop has not ticked for this long
 STOP_TIMEOUT = 20.0  # SIGTERM -> SIGKILL; below the DaemonSet's 30 s grace period
 TAIL_LINES = 40
+
+# The node's /status lists each rank's leases (engine pods and their roles), bounded.
+MAX_LEASES_IN_STATUS = 64
 
 # Exit statuses of `weightcache agent --socket` (agent_main.py).
 EXIT_LOAD_FAILED = 1
@@ -323,7 +327,13 @@ class Worker:
             "loadSeconds": float(load_seconds) if isinstance(load_seconds, (int, float)) else None,
             "fingerprint": status.get("fingerprint") or "",
             "attaches": int(status.get("attaches") or 0),
+            # Who holds this rank: the operator makes pod labels follow these roles.
+            "leases": [_lease_summary(c) for c in (status.get("clients") or [])[:MAX_LEASES_IN_STATUS]],
         }
+
+
+def _lease_summary(lease: dict[str, Any]) -> dict[str, Any]:
+    return {k: lease.get(k) for k in ("pid", "role", "group", "pod")}
 
 
 def node_phase(ranks: list[dict[str, Any]], setup_error: str | None) -> tuple[str, str]:
@@ -350,6 +360,16 @@ def node_phase(ranks: list[dict[str, Any]], setup_error: str | None) -> tuple[st
     return "Loading", f"{ready}/{len(ranks)} ranks ready; " + "; ".join(parts)
 
 
+def replicas_of(ranks: list[dict[str, Any]], tp_size: int) -> list[dict[str, Any]]:
+    """The node's replicas of the cache: each a run of `tp_size` ranks, its GPUs in rank order."""
+    out = []
+    for index in range(len(ranks) // tp_size):
+        members = ranks[index * tp_size:(index + 1) * tp_size]
+        phase, _ = node_phase(members, None)
+        out.append({"index": index, "gpus": [r["device"] for r in members], "phase": phase})
+    return out
+
+
 def node_fingerprint(ranks: list[dict[str, Any]]) -> str:
     """One identity for the node's whole shard set ("" until every rank has loaded)."""
     if not ranks or not all(r["fingerprint"] for r in ranks):
@@ -366,7 +386,8 @@ class NodeSupervisor:
         self.config = config
         self.devices = devices
         self.setup_error = setup_error
-        self.workers = [Worker(rank, device, config, on_attach, out) for rank, device in enumerate(devices)]
+        # Replica r of the cache is devices[r*tp : (r+1)*tp]; its workers are ranks 0..tp-1.
+        self.workers = [Worker(i % config.tp_size, device, config, on_attach, out) for i, device in enumerate(devices)]
         self._stopping = False
         self._heartbeat = time.monotonic()
         self._snapshot = self._build()
@@ -433,9 +454,19 @@ class NodeSupervisor:
             "model": self.config.model,
             "revision": self.config.revision,
             "tpSize": self.config.tp_size,
+            "replicas": replicas_of(ranks, self.config.tp_size),
             "restarts": sum(r["restarts"] for r in ranks),
             "ranks": ranks,
         }
+
+    def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]:
+        """A planned switchover of `group` on every rank whose engines hold its leases, in rank order."""
+        holders = sorted((w for w in self.workers if any(
+            lease.get("group") == group for lease in (w.status or {}).get("clients") or [])), key=lambda w: w.rank)
+        if not holders:
+            return {"ok": False, "group": group, "ranks": [], "seconds": 0.0,
+                    "message": f"no engine of group {group!r} is attached on this node"}
+        return switch_group([w.socket for w in holders], group, to_pod=to_pod)
 
     def snapshot(self) -> dict[str, Any]:
         """The node status document (the `/status` body); never blocks on a worker."""
@@ -461,6 +492,39 @@ def http_host(flag: str | None) -> str:
     return os.environ.get("WEIGHTCACHE_HTTP_HOST") or os.environ.get("POD_IP") or "127.0.0.1"
 
 
+def replica_devices(backend: str, spec: str, tp_size: int, replicas: int = 0) -> list[Device]:
+    """The devices this node serves, `tp_size` per replica of the cache.
+
+    `replicas` 0 means as many as the selected GPUs hold (8 GPUs, TP 2: 4 replicas); GPUs
+    beyond the last whole replica stay unused. The cpu backend has no hardware to count:
+    there 0 means one replica.
+    """
+    if replicas < 0:
+        raise ValueError(f"--replicas must be 0 (as many as fit) or more, got {replicas}")
+    if backend == "cpu":
+        return select_devices("cpu", spec, tp_size * max(replicas, 1))
+    chosen = select_devices(backend, spec)
+    fit = len(chosen) // tp_size
+    if fit == 0:
+        raise ValueError(f"tensor-parallel size {tp_size} needs {tp_size} GPUs on this node, only {len(chosen)} selected")
+    if replicas > fit:
+        raise ValueError(f"{replicas} replicas of tensor-parallel size {tp_size} need {replicas * tp_size} GPUs, "
+                         f"only {len(chosen)} selected")
+    return chosen[:(replicas or fit) * tp_size]
+
+
+def _control_token(path: str | None) -> str | None:
+    """The bearer token that `POST /switchover` requires; None (switchover over HTTP off) without a file."""
+    path = path or os.environ.get("WEIGHTCACHE_CONTROL_TOKEN_FILE")
+    if not path:
+        return None
+    with open(path) as f:
+        token = f.read().strip()
+    if len(token) < 16:
+        raise ValueError(f"{path}: the control token must be at least 16 characters")
+    return token
+
+
 def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`weightcache agent --socket-dir ...`: supervise this node's ranks and serve HTTP until SIGTERM."""
     from .agent_http import AgentHTTPServer, AgentMetrics
@@ -484,7 +548,7 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     setup_error = None
     try:
         backend = resolve_backend(args.backend)
-        devices = select_devices(backend, args.devices, args.tp_size)
+        devices = replica_devices(backend, args.devices, args.tp_size, args.replicas)
     except ValueError as e:
         # Stay up and say why: the operator reads this from /status, a crash loop says less.
         backend, devices, setup_error = args.backend, [], f"no devices to serve: {e}"
@@ -496,12 +560,13 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         socket_group=args.socket_group, max_leases=args.max_leases)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
-    metrics.watch(supervisor.snapshot, [(rank, d.uuid) for rank, d in enumerate(devices)])
+    metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
 
     stop = StopFlag().on_signals()
     host = http_host(args.http_host)
     try:
-        server = AgentHTTPServer(host, args.http_port, supervisor, metrics.registry)
+        server = AgentHTTPServer(host, args.http_port, supervisor, metrics.registry,
+                                 control_token=_control_token(args.control_token_file))
     except OSError as e:
         print(f"weightcache agent: cannot serve HTTP on {host or '*'}:{args.http_port}: {e.strerror or e}",
               file=sys.stderr)
