@@ -16,10 +16,17 @@ Messages (client -> agent):
       (privileged peers only): that standby is promoted and the group's primary demoted in one
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
       to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
-  {"type": "rejoin", "pid", "role", "group", "fields", "fingerprint", "layout_hash", "arenas"} + fds
+  {"type": "rejoin", "role", "group", "pod", "token", "fields", "fingerprint", "layout_hash", "arenas"} + fds
       -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
-      offers the arena it still maps; a restarted agent adopts it instead of reading the disk.
+      offers the arena it still maps; a restarted agent adopts it instead of reading the disk --
+      only when `token` is the `rejoin_token` its predecessor put in this engine's manifest.
 Errors: {"type": "error", "code": str, "message": str, ...}.
+An attach's request may carry "sharding_identity" (the plan identity of an engine's own rules
+file): the agent compares identities and never opens a path a client names. A "pid" in a
+request is informational; the agent takes the peer's pid from the kernel.
+
+The agent reads a request under one deadline for the whole frame and accepts fds only on
+its first bytes (`MAX_REQUEST_FDS`); deep nesting and over-long integers are protocol errors.
 
 `connect` and `agent_status` are the smallest client: the status request that the CLI,
 the node supervisor and the engine all make, with nothing of attach behind it.
