@@ -279,6 +279,38 @@ def connect_as(uid: int, gid: int, path: str) -> dict:
     return json.loads(out)
 
 
+def hold_lease_as(uid: int, gid: int, path: str, message: dict) -> tuple[int, dict, int]:
+    """A forked child as uid:gid that attaches with `message` and holds the lease until told to go.
+
+    Returns (child pid, its reply, a pipe fd: close it to end the child and its lease).
+    """
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.close(go_w)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = raw(path)
+            protocol.send_message(s, message)
+            reply, fds = protocol.recv_message(s, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+            for fd in fds:
+                os.close(fd)
+            os.write(w, json.dumps({"type": reply["type"], "code": reply.get("code")}).encode() + b"\n")
+            os.read(go_r, 1)  # until the parent closes its end
+        except BaseException as e:  # noqa: BLE001 -- reported to the parent, never raised in a fork
+            os.write(w, json.dumps({"type": "child-failed", "error": repr(e)}).encode() + b"\n")
+        os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    with os.fdopen(r) as f:
+        reply = json.loads(f.readline())
+    return pid, reply, go_w
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="creating a second uid needs root")
 def test_a_second_uid_cannot_connect_by_default_and_can_with_the_socket_group(model, disk):
     base = tempfile.mkdtemp(prefix="wc-uid-")
@@ -304,6 +336,21 @@ def test_a_second_uid_cannot_connect_by_default_and_can_with_the_socket_group(mo
         forbidden = connect_as(OTHER_UID, OTHER_UID, closed.socket)
         assert forbidden["connected"] and forbidden["reply"] in ("error", None)
         assert "not allowed on this socket" in closed.log()
+        # A group held by one uid cannot be squatted or joined by another; the lease's pid is the kernel's.
+        request = {"type": "attach", "pid": 1, "role": "primary", "group": "prod",
+                   "request": engine_request(CacheSpec(model=model))}
+        child, reply, release = hold_lease_as(OTHER_UID, OTHER_UID, grouped.socket, request)
+        try:
+            assert reply == {"type": "manifest", "code": None}, reply
+            (lease,) = grouped.status()["clients"]
+            assert (lease["pid"], lease["uid"], lease["group"]) == (child, OTHER_UID, "prod")
+            for role in ("primary", "standby"):
+                refused = ask(grouped.socket, dict(request, role=role))
+                assert refused["code"] == "group_taken", refused
+        finally:
+            os.close(release)
+            os.waitpid(child, 0)
+        wait_for(lambda: grouped.status()["clients"] == [], 10, "the other uid's lease ending")
         # Root keeps being served by both.
         serves_correctly(closed, disk)
         serves_correctly(grouped, disk)
