@@ -116,6 +116,16 @@ def disk_tensors(model: str) -> dict[str, torch.Tensor]:
     return load_file(os.path.join(model, "model.safetensors"))
 
 
+def right_bytes(agent: LoggedAgent, disk: dict[str, torch.Tensor]) -> None:
+    """A fresh attach gets exactly the checkpoint's bytes (its lease ends at once)."""
+    module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(agent.model).tensors.items()})
+    with attach(module, CacheSpec(model=agent.model), socket=agent.socket, timeout=30) as att:
+        assert att.source == "agent"
+        params = dict(module.named_parameters())
+        assert set(params) == set(disk)
+        assert all(torch.equal(params[n], disk[n]) for n in disk), "the agent served bytes that differ from disk"
+
+
 def serves_correctly(agent: LoggedAgent, disk: dict[str, torch.Tensor], leases_left: int = 0) -> None:
     """A fresh attach gets exactly the checkpoint's bytes; then the agent is back to `leases_left` leases."""
     module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(agent.model).tensors.items()})

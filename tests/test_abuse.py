@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from abuse_fixtures import LoggedAgent, ask, disk_tensors, drain, frame, no_traceback, raw, serves_correctly
+from abuse_fixtures import LoggedAgent, ask, disk_tensors, drain, frame, no_traceback, raw, right_bytes, serves_correctly
 from agent_fixtures import wait_for
 from weightcache_agent import protocol
 from weightcache_agent.load.fingerprint import engine_request
@@ -76,7 +76,7 @@ def attach_message(model: str, **overrides) -> dict:
 # -- fds ------------------------------------------------------------------------------------------------------
 
 
-def test_fds_on_every_byte_of_a_trickled_frame_are_not_held(agent, healthy_after):
+def test_fds_on_every_byte_of_a_trickled_frame_are_not_held(agent, healthy_after, capsys):
     r, w = os.pipe()
     conns = [raw(agent.socket) for _ in range(32)]
     try:
@@ -97,7 +97,8 @@ def test_fds_on_every_byte_of_a_trickled_frame_are_not_held(agent, healthy_after
             drain(s)
         # each connection holds its socket and at most MAX_REQUEST_FDS fds, however the frame arrives
         assert peak <= agent.baseline_fds + 32 * (1 + protocol.MAX_REQUEST_FDS) + 8, peak
-        print(f"\nfd flood: baseline {agent.baseline_fds} fds, peak {peak} with 32 connections")
+        with capsys.disabled():
+            print(f"\nfd flood: baseline {agent.baseline_fds} fds, peak {peak} with 32 connections")
     finally:
         for s in conns:
             s.close()
@@ -319,7 +320,7 @@ def fuzz_worker(agent: LoggedAgent, rng: random.Random, count: int, deadline: fl
             counts[key] += value
 
 
-def test_random_frames(agent, model, disk):
+def test_random_frames(agent, model, disk, capsys):
     rng = random.Random(FUZZ_SEED)
     r, w = os.pipe()
     counts = {"tried": 0, "handled": 0, "replied": 0, "hung": 0}
@@ -332,19 +333,36 @@ def test_random_frames(agent, model, disk):
                                                           FUZZ_FRAMES // workers, deadline, model_request, r,
                                                           counts, lock))
                for _ in range(workers)]
+    checks = {"attaches": 0}
+
+    def keep_checking() -> None:  # all through the storm, a real engine's attach gets the right bytes
+        try:
+            while any(t.is_alive() for t in threads):
+                right_bytes(agent, disk)
+                checks["attaches"] += 1
+        except BaseException as e:  # noqa: BLE001 -- reported by the test's own assertion below
+            checks["error"] = repr(e)
+
     for t in threads:
         t.start()
+    checker = threading.Thread(target=keep_checking)
+    checker.start()
     for t in threads:
         t.join()
+    checker.join()
     seconds = time.monotonic() - t0
     os.close(r)
     os.close(w)
     wait_for(lambda: agent.fds() <= agent.baseline_fds + 4, 15, "the agent's fds back to the baseline")
     fds, rss = agent.fds(), agent.rss()
-    print(f"\nrandom frames (seed {FUZZ_SEED}): tried {counts['tried']}, handled {counts['handled']} "
-          f"({counts['replied']} answered, {counts['handled'] - counts['replied']} closed), hung {counts['hung']}, "
-          f"in {seconds:.1f}s; agent fds {agent.baseline_fds} -> {fds}, "
-          f"RSS {agent.baseline_rss / 2**20:.1f} -> {rss / 2**20:.1f} MiB")
+    with capsys.disabled():  # the counts belong in every run's output, not only a failing one's
+        print(f"\nrandom frames (seed {FUZZ_SEED}): tried {counts['tried']}, handled {counts['handled']} "
+              f"({counts['replied']} answered, {counts['handled'] - counts['replied']} closed), hung {counts['hung']}, "
+              f"in {seconds:.1f}s; agent fds {agent.baseline_fds} -> {fds}, "
+              f"RSS {agent.baseline_rss / 2**20:.1f} -> {rss / 2**20:.1f} MiB; {checks['attaches']} correct attaches "
+              "meanwhile")
+    assert "error" not in checks, checks
+    assert checks["attaches"] > 0
     assert counts["hung"] == 0
     assert counts["tried"] == counts["handled"]
     assert counts["tried"] >= min(FUZZ_FRAMES, 10000) or seconds >= FUZZ_SECONDS

@@ -35,7 +35,7 @@ class Lines:
         return line
 
 
-def test_500_sigterms_each_stop_the_wait():
+def test_500_sigterms_each_stop_the_wait(capsys):
     proc = subprocess.Popen([sys.executable, CHILD], stdout=subprocess.PIPE, bufsize=0)
     lines = Lines(proc)
     rng = random.Random(20261130)
@@ -54,5 +54,6 @@ def test_500_sigterms_each_stop_the_wait():
         proc.wait()
         proc.stdout.close()
     seconds = time.monotonic() - started
-    print(f"\nSIGTERM trials: {TRIALS} sent, {stopped} stopped the wait, {seconds:.1f}s")
+    with capsys.disabled():
+        print(f"\nSIGTERM trials: {TRIALS} sent, {stopped} stopped the wait, {seconds:.1f}s")
     assert stopped == TRIALS
