@@ -167,7 +167,8 @@ def test_helm_lint_passes(tmp_path: Path) -> None:
     {"agent__privileged": False, "agent__priorityClassName": "", "agent__runtimeClassName": "nvidia",
      "agent__imagePullSecrets": ["regcred"], "operator__imagePullSecrets": ["regcred"], "operator__verbose": True,
      "operator__tolerations": [{"key": "infra", "operator": "Exists"}], "serviceAccount__name": "wc-operator"},
-], ids=["namespaced", "unprivileged"])
+    {"agentPolicy__enabled": False, "rbac__create": False},
+], ids=["namespaced", "unprivileged", "no-agent-policy"])
 def test_helm_lint_passes_for_other_values(tmp_path: Path, overrides: dict[str, Any]) -> None:
     result = lint(chart_copy(tmp_path, **overrides), tmp_path)
     assert problems(result) == [] and not result.get("Errors")

@@ -60,9 +60,18 @@ def test_a_failed_new_pod_stalls_and_leaves_the_old_primary():
     assert plan_group(0, young, NEW, 1).kind == "wait"
 
 
-def test_no_switchover_while_a_group_has_no_primary():
+def test_a_group_without_a_primary_gets_one_preferring_the_target():
     pods = [dataclasses.replace(p, role="standby") for p in group(1)]
-    assert plan_group(0, pods, NEW, 1).kind == "wait"
+    assert plan_group(0, pods, NEW, 1) == dataclasses.replace(plan_group(0, pods, NEW, 1), kind="switchover", pod="g-0")
+    pods.append(EnginePod("g-2", 2, "t-new", "r1", role="standby", ready=True))
+    assert plan_group(0, pods, NEW, 1).pod == "g-2"
+    cold = [dataclasses.replace(p, role=None, ready=False) for p in group(1)]
+    assert plan_group(0, cold, OLD, 1).kind == "wait"
+
+
+def test_pods_made_while_a_primary_serves_attach_as_standbys():
+    assert plan_group(0, group(1), NEW, 1).role == "standby"
+    assert plan_group(0, [], NEW, 1).role == "auto"
 
 
 def test_an_old_pod_still_routed_to_is_not_retired():

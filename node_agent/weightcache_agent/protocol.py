@@ -12,6 +12,8 @@ Messages (client -> agent):
       the connection is the lease; the agent may later send {"type": "promote"} or {"type": "demote"}.
       role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
   {"type": "detach"}                                   -> the lease ends cleanly
+  {"type": "promoted"}                                 on a lease: the answer to "promote", sent once
+      the engine serves as primary; until then the agent reports the lease as "promoting".
   {"type": "switchover", "group", "to_pod" | "to_pid"} -> {"type": "switched", ...}: a planned handover
       (privileged peers only): that standby is promoted and the group's primary demoted in one
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither

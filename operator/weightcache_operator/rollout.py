@@ -11,10 +11,13 @@ local end-to-end test run the same decisions.
 Per group, with `standbys` S (maxUnavailable 0, maxSurge 1):
 1. surge: create one pod on the new template/revision beside the old ones;
 2. once it is attached as a warm standby: switchover (it becomes primary, the old primary
-   is demoted and drains, still answering until traffic moves);
+   is demoted and drains, still answering until traffic moves); pods created while the
+   group has a primary attach as standbys (`Step.role`), also on a new revision's agent;
 3. retire old pods once nothing routes to them (serving label off), creating a new
    standby before retiring each old one, so the group never has fewer than S standbys;
 4. done when every pod runs the new template and revision and the count is S + 1.
+A group without a primary (its primary died where no standby of the same agent was left)
+gets one by a switchover to a warm standby: the level-based repair.
 A new pod that fails (crash loop, attach refused) or does not become ready within the
 progress deadline stalls the rollout: the old primary keeps serving, and the reason
 goes to a condition and an Event.
@@ -31,7 +34,7 @@ class EnginePod:
     slot: int
     template_hash: str
     revision: str
-    role: str | None = None  # what the agent says: "primary" | "standby" | None (not attached)
+    role: str | None = None  # what the agent says: "primary" | "promoting" | "standby" | None (not attached)
     ready: bool = False  # attached and warm (the pod's readiness as a standby or primary)
     serving: bool = False  # the label the Service selects
     failed: str | None = None  # why it cannot become ready (crash loop, attach refused), else None
@@ -55,6 +58,7 @@ class Step:
     kind: str
     group: int
     slot: int | None = None  # create
+    role: str = "auto"  # create: "standby" while the group has a primary (it may be another agent's)
     pod: str | None = None  # switchover (the new primary), retire
     reason: str = ""
 
@@ -80,25 +84,34 @@ def plan_group(group: int, pods: Sequence[EnginePod], target: Target, standbys: 
     if pending:
         return Step("wait", group, pod=pending[0].name, reason=f"waiting for {pending[0].name} to attach")
 
-    primary = next((p for p in live if p.role == "primary"), None)
+    # A promotion in flight (told, not yet acknowledged) already has its primary.
+    primary = next((p for p in live if p.role in ("primary", "promoting")), None)
+    role = "standby" if primary is not None else "auto"
+    if primary is None:
+        # Standbys of another agent (a new revision's) are not promoted by the agent that lost
+        # the primary: hand the role over ourselves, to a pod on the target if there is one.
+        warm = sorted((p for p in live if p.role == "standby"), key=lambda p: not target.matches(p))
+        if warm:
+            return Step("switchover", group, pod=warm[0].name, reason=f"the group has no primary; {warm[0].name} takes over")
+        if not live:
+            return Step("create", group, slot=free_slot(pods), reason="the group has no pod")
+        return Step("wait", group, reason="the group has no primary and no warm standby")
     if not old:
         if len(live) < want:
-            return Step("create", group, slot=free_slot(pods), reason="restore the standby count")
+            return Step("create", group, slot=free_slot(pods), role=role, reason="restore the standby count")
         return Step("done", group)
-    if primary is None:
-        return Step("wait", group, reason="the group has no primary; a rollout waits for failover to settle")
 
     if not target.matches(primary):
         warm = [p for p in new if p.role == "standby"]
         if warm:
             return Step("switchover", group, pod=warm[0].name, reason=f"hand the primary role to {warm[0].name}")
         if len(live) < want + 1:
-            return Step("create", group, slot=free_slot(pods), reason="surge a standby on the new template")
+            return Step("create", group, slot=free_slot(pods), role=role, reason="surge a standby on the new template")
         return Step("wait", group, reason="waiting for a new standby to attach")
 
     # The new primary serves: retire the old pods, never dropping below the standby count.
     if len(live) <= want:
-        return Step("create", group, slot=free_slot(pods), reason="a new standby before retiring an old one")
+        return Step("create", group, slot=free_slot(pods), role=role, reason="a new standby before retiring an old one")
     quiet = [p for p in old if p.role != "primary" and not p.serving]
     if quiet:
         return Step("retire", group, pod=quiet[0].name, reason=f"retire {quiet[0].name}")

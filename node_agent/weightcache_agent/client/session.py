@@ -101,6 +101,8 @@ class Attachment:
                         log.info("promoted to primary of group %s", message.get("group"))
                         if self._on_promote is not None:
                             self._on_promote(self)
+                        # After the engine serves as primary: only now may traffic come.
+                        protocol.send_message(conn, {"type": "promoted", "group": message.get("group")})
                     elif message["type"] == "demote":
                         self.role = "standby"
                         log.info("demoted to standby of group %s (planned switchover)", message.get("group"))

@@ -56,6 +56,7 @@ GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,252}")  # Kubernetes-style
 MAX_TOKEN_CHARS = 128
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
 ROLES = ("primary", "standby", "auto")
+PROMOTE_ACK_TIMEOUT = 1.0  # an engine answers `promote` with `promoted` once it serves as primary
 POD_FIELDS = ("namespace", "name", "uid")
 MAX_POD_FIELD = 253  # a DNS subdomain: the longest pod name or namespace Kubernetes allows
 
@@ -72,10 +73,15 @@ class Lease:
     pod: dict[str, str] | None = None  # the engine's pod, as it says (labels follow roles by it)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Set while a promotion is told but not yet acknowledged: the engine is not serving as
+    # primary yet, so nothing may route to it (status says "promoting").
+    promoting: threading.Event = field(default_factory=threading.Event)
+    acknowledged: threading.Event = field(default_factory=threading.Event)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": self.role, "group": self.group,
-                "pod": self.pod, "attached_at": self.since}
+        role = "promoting" if self.promoting.is_set() else self.role
+        return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": role, "group": self.group, "pod": self.pod,
+                "attached_at": self.since}
 
     def record(self) -> dict[str, Any]:
         """What the state file keeps of this lease: enough to recognise its engine after a restart."""
@@ -421,6 +427,9 @@ class Agent:
                 message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
                 if message["type"] == "detach":
                     return
+                if message["type"] == "promoted":
+                    lease.acknowledged.set()
+                    continue
                 raise ProtocolError(f"unexpected message type {message['type']!r} on a lease")
         except EOFError:
             pass
@@ -662,13 +671,22 @@ class Agent:
             self._promote(successor, {"type": "promote", "group": lease.group, "previous_pid": lease.pid})
 
     def _promote(self, lease: Lease, message: dict[str, Any]) -> bool:
-        """Tell a lease (already primary in our books) that it is; then let the cluster follow."""
+        """Tell a lease (already primary in our books) that it is, wait until the engine says it
+        serves as one, then let the cluster follow: traffic never reaches a primary that does
+        not know it is one yet."""
+        lease.acknowledged.clear()
+        lease.promoting.set()
         try:
             lease.send(message)
         except OSError as e:
+            lease.promoting.clear()
             log.warning("promotion of pid=%s failed (%s); trying the next standby", lease.pid, e)
             _shutdown(lease.conn)  # its lease ends, and the next standby is promoted
             return False
+        if not lease.acknowledged.wait(PROMOTE_ACK_TIMEOUT):
+            log.warning("pid=%s did not acknowledge its promotion within %.1fs; counting it primary",
+                        lease.pid, PROMOTE_ACK_TIMEOUT)
+        lease.promoting.clear()
         log.info("promoted pid=%s to primary of group %s", lease.pid, lease.group)
         if self.on_promote is not None:
             try:

@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 import threading
+from typing import Any
 
 from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
@@ -61,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="connections still sending their first request; past it the oldest is dropped")
     p.add_argument("--adopt-wait", type=float, default=3.0,
                    help="after a restart with engines still attached, seconds to wait for one to hand the arena back")
+    p.add_argument("--label-pods", choices=("auto", "on", "off"), default="auto",
+                   help="on a promotion, label the engine's pod weightcache.io/serving=true through the API server "
+                        "(auto: when running in a cluster; rank 0 only)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
@@ -101,8 +105,10 @@ def main(argv: list[str]) -> int:
     except AccessError as e:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 2
+    writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
-                  adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending)
+                  adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
+                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None)
     try:
         agent.bind()
     except AccessError as e:
@@ -136,6 +142,18 @@ def main(argv: list[str]) -> int:
         return 1
     log.info("shut down cleanly")
     return 0
+
+
+def _serving_label_writer(mode: str) -> Any:
+    """The node-side label writer, when asked for (or, with auto, when in a cluster)."""
+    if mode == "off":
+        return None
+    from .serving_label import ServingLabelWriter, in_cluster_api_url
+
+    if mode == "on" and not in_cluster_api_url():
+        raise SystemExit("weightcache agent: --label-pods on needs the API server: $KUBERNETES_SERVICE_HOST "
+                         "(in a pod) or $WEIGHTCACHE_KUBE_API")
+    return ServingLabelWriter.from_environment()
 
 
 def _device(args: argparse.Namespace) -> "Device":

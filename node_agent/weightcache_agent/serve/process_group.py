@@ -136,7 +136,8 @@ class AgentChild(Child):
 
 class EngineChild(Child):
     def __init__(self, model: str, run_dir: str, name: str, socket: str | None = None, role: str = "primary",
-                 group: str | None = None, mode: str = "client", extra: list[str] | None = None):
+                 group: str | None = None, mode: str = "client", extra: list[str] | None = None,
+                 env: dict[str, str] | None = None):
         self.port_file = os.path.join(run_dir, f"{name}.port")
         self._port: int | None = None
         argv = [sys.executable, "-m", "weightcache_agent", "engine", "--model", model, "--mode", mode, "--role", role,
@@ -145,7 +146,8 @@ class EngineChild(Child):
             argv += ["--socket", socket]
         if group:
             argv += ["--group", group]
-        super().__init__(name, argv + list(extra or []), os.path.join(run_dir, f"{name}.log"))
+        super().__init__(name, argv + list(extra or []), os.path.join(run_dir, f"{name}.log"),
+                         env={**os.environ, **env} if env else None)
 
     @property
     def port(self) -> int:

@@ -94,6 +94,7 @@ class NodeConfig:
     node_name: str = ""
     socket_group: str | None = None
     max_leases: int = 256
+    label_pods: str = "auto"
 
     def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
@@ -101,7 +102,7 @@ class NodeConfig:
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
                 "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
                 "--handshake-timeout", str(self.handshake_timeout), "--max-leases", str(self.max_leases),
-                "--log-format", self.log_format, "--progress", "never"]
+                "--log-format", self.log_format, "--progress", "never", "--label-pods", self.label_pods]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
         if self.revision:
@@ -308,6 +309,13 @@ class Worker:
 
     # -- reporting ---------------------------------------------------------------------------
 
+    def live_leases(self) -> list[dict[str, Any]]:
+        """The leases as the worker has them now (the polled status may be a tick old)."""
+        try:
+            return agent_status(self.socket, timeout=POLL_TIMEOUT).get("clients") or []
+        except WeightCacheError:
+            return []
+
     def to_json(self) -> dict[str, Any]:
         status = self.status or {}
         progress = status.get("progress") or {}
@@ -462,7 +470,7 @@ class NodeSupervisor:
     def switchover(self, group: str, to_pod: str | None) -> dict[str, Any]:
         """A planned switchover of `group` on every rank whose engines hold its leases, in rank order."""
         holders = sorted((w for w in self.workers if any(
-            lease.get("group") == group for lease in (w.status or {}).get("clients") or [])), key=lambda w: w.rank)
+            lease.get("group") == group for lease in w.live_leases())), key=lambda w: w.rank)
         if not holders:
             return {"ok": False, "group": group, "ranks": [], "seconds": 0.0,
                     "message": f"no engine of group {group!r} is attached on this node"}
@@ -557,7 +565,7 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
-                        socket_group=args.socket_group, max_leases=args.max_leases)
+                        socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
