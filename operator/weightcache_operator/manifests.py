@@ -245,6 +245,8 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         "securityContext": security,
         **_probes(),
     }
+    if config.agent_socket_group:
+        container["env"].append({"name": "WEIGHTCACHE_SOCKET_GROUP", "value": config.agent_socket_group})
     if cs.agent_resources:
         container["resources"] = dict(cs.agent_resources)
 
