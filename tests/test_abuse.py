@@ -126,7 +126,7 @@ def test_a_frame_trickled_byte_by_byte_meets_one_deadline(agent, healthy_after):
         drain(s)
         closed_after = time.monotonic() - t0
     s.close()
-    assert closed_after < HANDSHAKE + 1.0, f"a trickling client was kept {closed_after:.1f}s"
+    assert closed_after < HANDSHAKE + 2.0, f"a trickling client was kept {closed_after:.1f}s"
 
 
 def test_pending_connections_are_capped_and_a_status_still_gets_through(agent, healthy_after):
@@ -134,7 +134,7 @@ def test_pending_connections_are_capped_and_a_status_still_gets_through(agent, h
     try:
         t0 = time.monotonic()
         assert ask(agent.socket, {"type": "status"})["phase"] == "ready"
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 2.0
         time.sleep(0.2)
         assert agent.fds() <= agent.baseline_fds + MAX_PENDING + 8
         assert "dropping the oldest" in agent.log()
