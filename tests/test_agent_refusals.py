@@ -66,3 +66,10 @@ def test_node_mode_refuses_a_socket_dir_whose_parent_is_a_file(model, tmp_path):
                           str(tmp_path / "file" / "run"), "--backend", "cpu", "--http-port", "0"],
                          capture_output=True, text=True, timeout=60)
     one_line_refusal(out, "not a directory")
+
+
+def test_node_mode_refuses_a_socket_dir_too_deep_for_its_worker_sockets(model, tmp_path):
+    deep = str(tmp_path / ("d" * (110 - len(str(tmp_path)))))
+    out = subprocess.run([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", deep,
+                          "--backend", "cpu", "--http-port", "0"], capture_output=True, text=True, timeout=60)
+    one_line_refusal(out, "cpu-0.sock", "at most 107")

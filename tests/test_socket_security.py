@@ -360,3 +360,35 @@ def test_a_second_uid_cannot_connect_by_default_and_can_with_the_socket_group(mo
         for a in agents:
             a.stop()
         shutil.rmtree(base, ignore_errors=True)
+
+
+# -- the node supervisor's HTTP port -------------------------------------------------------------------------
+
+
+def test_node_http_listens_on_the_pod_ip_only(model, tmp_path):
+    import http.client
+    import signal
+    import subprocess
+    import sys
+
+    port_file = tmp_path / "port"
+    env = {k: v for k, v in os.environ.items() if k not in ("WEIGHTCACHE_HTTP_HOST", "POD_IP")}
+    env["POD_IP"] = "127.0.0.2"  # a loopback address other than 127.0.0.1 stands in for the pod's IP
+    with open(tmp_path / "node.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir",
+                                 str(tmp_path / "run"), "--backend", "cpu", "--http-port", "0",
+                                 "--port-file", str(port_file)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: port_file.exists() or proc.poll() is not None, 60, "the HTTP port")
+        assert proc.poll() is None, (tmp_path / "node.log").read_text()
+        port = int(port_file.read_text())
+        conn = http.client.HTTPConnection("127.0.0.2", port, timeout=10)
+        conn.request("GET", "/healthz")
+        assert conn.getresponse().status == 200
+        conn.close()
+        with pytest.raises(ConnectionRefusedError):  # not every address: only the one it was given
+            http.client.HTTPConnection("127.0.0.1", port, timeout=10).request("GET", "/healthz")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert "Traceback" not in (tmp_path / "node.log").read_text()

@@ -548,8 +548,6 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         policy = SocketPolicy.from_group(args.socket_group)
         prepare_dir(socket_dir, policy)
-        # a GPU UUID socket name is 45 bytes: refuse a directory that leaves no room for it now, not per worker
-        check_socket_path(os.path.join(socket_dir, "GPU-00000000-0000-0000-0000-000000000000.sock"))
     except AccessError as e:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 1
@@ -561,6 +559,13 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # Stay up and say why: the operator reads this from /status, a crash loop says less.
         backend, devices, setup_error = args.backend, [], f"no devices to serve: {e}"
         log.error("%s", setup_error)
+    try:
+        # Every worker's socket path, checked now: a directory too deep for them is one line, not a restart loop.
+        for device in devices:
+            check_socket_path(os.path.join(socket_dir, device.socket_name))
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 1
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel,
