@@ -33,6 +33,8 @@ DS_RESOURCE = "apps/v1/daemonsets"
 CM_RESOURCE = "v1/configmaps"
 POD_RESOURCE = "v1/pods"
 EVENT_RESOURCE = "v1/events"
+SA_RESOURCE = "v1/serviceaccounts"
+RB_RESOURCE = "rbac.authorization.k8s.io/v1/rolebindings"
 
 
 def load_crd() -> dict[str, Any]:
@@ -207,6 +209,8 @@ def declare_resources(kmock: Any) -> None:
         kind="DaemonSet", namespaced=True, verbs={"get", "list", "watch", "create", "patch"}, subresources={"status"})
     kmock.resources[CM_RESOURCE] = info(kind="ConfigMap", namespaced=True, verbs={"get", "list", "watch", "create", "patch"})
     kmock.resources[POD_RESOURCE] = info(kind="Pod", namespaced=True, verbs={"get", "list", "watch"})
+    kmock.resources[SA_RESOURCE] = info(kind="ServiceAccount", namespaced=True, verbs={"get", "create", "patch"})
+    kmock.resources[RB_RESOURCE] = info(kind="RoleBinding", namespaced=True, verbs={"get", "create", "patch"})
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:

@@ -39,8 +39,10 @@ INFO, WARNING, ERROR = 1, 2, 3
 
 def test_chart_crds_are_byte_identical_to_the_source() -> None:
     copies = sorted(p.name for p in (CHART / "crds").iterdir())
-    assert copies == [CRD_PATH.name]
-    assert (CHART / "crds" / CRD_PATH.name).read_bytes() == CRD_PATH.read_bytes()
+    sources = sorted(p.name for p in CRD_PATH.parent.glob("*.yaml"))
+    assert copies == sources == ["weightcache.io_enginesets.yaml", "weightcache.io_weightcaches.yaml"]
+    for name in sources:
+        assert (CHART / "crds" / name).read_bytes() == (CRD_PATH.parent / name).read_bytes(), name
 
 
 def test_values_schema_accepts_the_defaults() -> None:
@@ -93,10 +95,29 @@ def test_deployment_passes_every_agent_setting_the_operator_reads() -> None:
 
 
 def test_rbac_rules_are_least_privilege() -> None:
-    helpers = (CHART / "templates" / "_helpers.tpl").read_text()
-    block = helpers.split('define "weightcache.namespacedRules" -}}', 1)[1].split("{{- end -}}", 1)[0]
-    rules = yaml.safe_load(block)
+    def rules_of(path: Path, name: str) -> list[dict[str, Any]]:
+        text = path.read_text()
+        return yaml.safe_load(text.split(f'define "{name}" -}}}}', 1)[1].split("{{- end -}}", 1)[0])
+
+    rules = rules_of(CHART / "templates" / "_helpers.tpl", "weightcache.namespacedRules")
     grants = {(g, r): set(rule["verbs"]) for rule in rules for g in rule["apiGroups"] for r in rule["resources"]}
+    es_rules = rules_of(CHART / "templates" / "rbac.yaml", "weightcache.enginesetRules")
+    es_grants = {(g, r): set(rule["verbs"]) for rule in es_rules for g in rule["apiGroups"] for r in rule["resources"]}
+    assert es_grants == {
+        ("weightcache.io", "enginesets"): {"get", "list", "watch", "patch"},
+        ("weightcache.io", "enginesets/status"): {"get", "patch"},
+        ("weightcache.io", "enginesets/finalizers"): {"update"},
+        ("", "pods"): {"create", "patch", "delete"},
+        ("", "services"): {"get", "create", "patch"},
+        ("resource.k8s.io", "resourceclaims"): {"get", "list", "create", "delete"},
+        ("", "serviceaccounts"): {"get", "create", "patch"},
+        ("rbac.authorization.k8s.io", "rolebindings"): {"get", "create", "patch"},
+        ("rbac.authorization.k8s.io", "clusterroles"): {"bind"},
+    }
+    # Binding is allowed for the agents' ClusterRole only, and nothing escalates.
+    (bind,) = [r for r in es_rules if r["resources"] == ["clusterroles"]]
+    assert bind["resourceNames"] == ["weightcache-agent"]
+    assert not any({"escalate", "*"} & set(r["verbs"]) for r in rules + es_rules)
     assert grants == {
         ("weightcache.io", "weightcaches"): {"get", "list", "watch", "patch"},
         ("weightcache.io", "weightcaches/status"): {"get", "patch"},

@@ -109,7 +109,9 @@ def test_daemonset_runs_privileged_agents_on_every_gpu_node() -> None:
     assert "resources" not in c  # no nvidia.com/gpu request: engines keep the GPUs
     assert ps["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert ps["priorityClassName"] == "system-node-critical"
-    assert ps["automountServiceAccountToken"] is False
+    # The agents run as the namespace's weightcache-agent account (its token: the failover label write).
+    assert ps["serviceAccountName"] == "weightcache-agent"
+    assert ps["automountServiceAccountToken"] is True
     assert "hostNetwork" not in ps and "hostPID" not in ps and "hostIPC" not in ps
     volumes = {v["name"]: v for v in ps["volumes"]}
     assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml/llama", "type": "DirectoryOrCreate"}

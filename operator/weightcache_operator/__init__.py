@@ -1,8 +1,9 @@
 """The weightcache Kubernetes operator (kopf).
 
 Turns `WeightCache` custom resources into DaemonSets of node agents and rolls the
-agents' per-node state back into the resources' status. Module map (data flows
-top to bottom):
+agents' per-node state back into the resources' status; turns `EngineSet` resources
+into engine pods placed on the cache's GPUs, with a Service that follows the agents'
+choice of primary in each serving group. Module map (data flows top to bottom):
 
 - ``config``     operator-wide settings (agent image, priority class, model root, ...)
                  from flags and environment, set once by the chart;
@@ -14,6 +15,11 @@ top to bottom):
 - ``rollup``     per-node agent states -> bounded status summary;
 - ``conditions`` Ready / Loading / Degraded conditions and their transitions;
 - ``handlers``   the kopf handlers that tie these together;
+- ``engineset_spec``       an EngineSet's spec -> a validated ``EngineSetSpec``;
+- ``placement``            which replica of the cache (node, GPUs) each group gets;
+- ``engineset_manifests``  pure builders: engine pods, ResourceClaims, the Service;
+- ``engineset``            the EngineSet reconcile (registered by ``handlers``):
+                           objects per group, serving labels from the agents' leases;
 - ``cli``        ``weightcache operator`` entry point.
 
 Nothing here imports torch: the operator never touches weights.
@@ -23,3 +29,5 @@ API_GROUP = "weightcache.io"
 API_VERSION = "v1alpha1"
 PLURAL = "weightcaches"
 KIND = "WeightCache"
+ENGINESET_PLURAL = "enginesets"
+ENGINESET_KIND = "EngineSet"

@@ -1,10 +1,10 @@
 """Read each agent pod's state from its HTTP ``/status`` endpoint.
 
 Channel choice: the operator asks the agents (pod IP, port ``http``) instead of the
-agents writing into the API. That keeps the agents free of any Kubernetes
-credentials (their pods mount no service-account token), keeps the API server's
-write load at one status patch per WeightCache per change, and bounds what lands in
-etcd to what ``rollup`` chooses to keep. The cost is one small GET per agent per
+agents writing into the API. That keeps the agents' Kubernetes rights down to one
+write (the serving label of an engine pod they promote, fenced by an admission
+policy), keeps the API server's write load at one status patch per WeightCache per
+change, and bounds what lands in etcd to what ``rollup`` chooses to keep. The cost is one small GET per agent per
 poll interval, made concurrently with a cap.
 
 ``fetch_agent_status`` is a plain blocking function over ``urllib`` (tests point it

@@ -7,10 +7,13 @@ run the same ``Reconciler.reconcile``, which does not care why it runs:
 1. parse the spec (``spec.parse_spec``); an invalid one sets Degraded + an Event and
    leaves the running agents alone (no exception, so no retry storm, and other
    WeightCaches are not affected);
-2. render the DaemonSet (and ConfigMap for sharding rules) and create-or-patch them,
-   owned by the WeightCache (controller reference; owner-reference garbage
-   collection deletes them with it, so no finalizer is needed for cleanup); an
-   unchanged spec hash means no write at all;
+2. make sure the namespace has the agents' ServiceAccount ``weightcache-agent`` and
+   its RoleBinding to the chart's ClusterRole (shared by every WeightCache in the
+   namespace: each one adds itself as a non-controller owner, so garbage collection
+   removes them with the last cache); then render the DaemonSet (and ConfigMap for
+   sharding rules) and create-or-patch them, owned by the WeightCache (controller
+   reference; owner-reference garbage collection deletes them with it, so no
+   finalizer is needed for cleanup); an unchanged spec hash means no write at all;
 3. list the agent pods, ask each for ``/status``, roll the answers up;
 4. compute the conditions, patch the status subresource only if something changed,
    and post an Event for each condition that changed status or reason.
@@ -42,10 +45,16 @@ from . import API_GROUP, API_VERSION, PLURAL
 from .agents import fetch_all, select_agent_pods
 from .conditions import Desired, merge, transitions
 from .config import AGENT_HTTP_PORT, OperatorConfig
+from .engineset import EngineSetReconciler
+from .engineset import register as register_engineset
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
     ANNOTATION_SPEC_HASH,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
     daemonset_name,
+    render_agent_role_binding,
+    render_agent_service_account,
     render_daemonset,
     render_sharding_configmap,
     selector_labels,
@@ -141,6 +150,45 @@ class Reconciler:
             body["metadata"]["resourceVersion"] = meta["resourceVersion"]
         return patch(ns, name, body), "patched"
 
+    def _ensure_shared(self, desired: dict[str, Any], owner: Mapping[str, Any]) -> str:
+        """Create-or-adopt an object every WeightCache of the namespace shares (agent identity).
+
+        Each cache is a non-controller owner: the object outlives any one cache and
+        goes with the last. An object of that name we did not create (no managed-by
+        label) is used as it is and never written.
+        """
+        assert self.api is not None
+        kind, ns, name = desired["kind"], desired["metadata"]["namespace"], desired["metadata"]["name"]
+        ref = {"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
+               "uid": owner["metadata"].get("uid"), "controller": False, "blockOwnerDeletion": False}
+        current = self.api.get(kind, ns, name)
+        if current is None:
+            body = {**desired, "metadata": {**desired["metadata"], "ownerReferences": [ref]}}
+            try:
+                self.api.create(body)
+                return "created"
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+                current = self.api.get(kind, ns, name)
+                if current is None:
+                    raise
+        meta = current.get("metadata") or {}
+        if (meta.get("labels") or {}).get(LABEL_MANAGED_BY) != MANAGED_BY:
+            return "unchanged"
+        refs = list(meta.get("ownerReferences") or [])
+        patch: dict[str, Any] = {"metadata": {}}
+        if ref["uid"] and all(r.get("uid") != ref["uid"] for r in refs):
+            patch["metadata"]["ownerReferences"] = refs + [ref]
+        if kind == "RoleBinding" and current.get("subjects") != desired["subjects"]:
+            patch["subjects"] = desired["subjects"]
+        if patch == {"metadata": {}}:
+            return "unchanged"
+        if meta.get("resourceVersion"):
+            patch["metadata"]["resourceVersion"] = meta["resourceVersion"]
+        self.api.patch(kind, ns, name, patch)
+        return "patched"
+
     # --- the reconcile ----------------------------------------------------------------
 
     async def reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | kopf.Logger) -> None:
@@ -177,6 +225,10 @@ class Reconciler:
             kopf.append_owner_reference(children, owner=body)
             try:
                 live_ds = None
+                for shared in (render_agent_service_account(namespace), render_agent_role_binding(namespace)):
+                    action = await asyncio.to_thread(self._ensure_shared, shared, body)
+                    if action == "created":
+                        logger.info(f"created {shared['kind']} {shared['metadata']['name']}")
                 for child in children:
                     live, action = await asyncio.to_thread(self._ensure, child["kind"], child, uid)
                     if action != "unchanged":
@@ -189,20 +241,20 @@ class Reconciler:
             except OwnershipConflict as e:
                 desired = spec_conditions("OwnershipConflict", str(e))
             else:
-                desired = await self._agent_conditions(namespace, name, live_ds, new_status)
+                desired = await self._agent_conditions(namespace, name, live_ds, new_status, cs.tensor)
 
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
         await self._write_status(body, memo, old_status, new_status, logger)
 
     async def _agent_conditions(
-        self, namespace: str, name: str, live_ds: dict[str, Any] | None, new_status: dict[str, Any]
+        self, namespace: str, name: str, live_ds: dict[str, Any] | None, new_status: dict[str, Any], tp: int
     ) -> list[Desired]:
         assert self.api is not None
         raw_pods = await asyncio.to_thread(self.api.list_pods, namespace, selector_labels(name))
         pods = select_agent_pods(raw_pods, selector_labels(name), AGENT_HTTP_PORT)
         answers = await fetch_all(pods, timeout=self.config.agent_http_timeout)
         rollout = daemonset_rollout(live_ds)
-        summary = summarize(pods, answers, rollout.desired, self.config.max_node_entries)
+        summary = summarize(pods, answers, rollout.desired, self.config.max_node_entries, tp)
         new_status.update(summary)
         return agent_conditions(summary, rollout)
 
@@ -253,15 +305,17 @@ def build_registry(
     kubeconfig: str | None = None,
     context: str | None = None,
 ) -> tuple[kopf.OperatorRegistry, Reconciler]:
-    """All handlers of the operator, on a fresh registry (no module-level state)."""
+    """All handlers of the operator (WeightCache and EngineSet), on a fresh registry (no module-level state)."""
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(config)
+    engines = EngineSetReconciler(config)
     resource = (API_GROUP, API_VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
         cfg = load_client_configuration(kubeconfig, context)
         old, reconciler.api = reconciler.api, KubeApi(cfg)
+        engines.api = reconciler.api
         if old is not None:
             old.close()
         logger.info(f"logged in to {cfg.host}")
@@ -296,4 +350,5 @@ def build_registry(
         # create/resume reconcile right away; the first poll can wait a little.
         initial_delay=min(5.0, config.poll_interval),
     )(poll)
+    register_engineset(registry, engines, config)
     return registry, reconciler

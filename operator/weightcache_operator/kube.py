@@ -1,8 +1,10 @@
 """The few Kubernetes API calls the operator makes besides kopf's own, and the login.
 
-kopf watches WeightCaches, patches their status and posts Events with its own client.
-The children (DaemonSet, ConfigMap) and the agent pods are read and written here
-with the official ``kubernetes`` client, called from a thread (it is synchronous).
+kopf watches WeightCaches and EngineSets, patches their status and posts Events with
+its own client. The children (DaemonSet, ConfigMap, the agents' ServiceAccount and
+RoleBinding; an EngineSet's pods, ResourceClaims and Service) and the agent pods are
+read and written here with the official ``kubernetes`` client, called from a thread
+(it is synchronous).
 Objects travel as plain dicts (``_preload_content=False``): no model classes, so what
 we render is exactly what is sent.
 
@@ -29,9 +31,19 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
-from . import API_GROUP, API_VERSION, PLURAL
+from . import API_GROUP, API_VERSION, ENGINESET_PLURAL, PLURAL
 
 MERGE_PATCH = "application/merge-patch+json"
+
+# Namespaced kinds handled by the generic calls below: (API class, method suffix).
+# Every one of them has read_/create_/patch_/delete_/list_namespaced_<suffix>.
+_KINDS = {
+    "Pod": ("core", "pod"),
+    "Service": ("core", "service"),
+    "ServiceAccount": ("core", "service_account"),
+    "RoleBinding": ("rbac", "role_binding"),
+    "ResourceClaim": ("resource", "resource_claim"),
+}
 
 
 def load_client_configuration(kubeconfig: str | None = None, context: str | None = None) -> kubernetes.client.Configuration:
@@ -101,6 +113,11 @@ class KubeApi:
         self._apps = kubernetes.client.AppsV1Api(self._client)
         self._core = kubernetes.client.CoreV1Api(self._client)
         self._custom = kubernetes.client.CustomObjectsApi(self._client)
+        self._apis = {
+            "core": self._core,
+            "rbac": kubernetes.client.RbacAuthorizationV1Api(self._client),
+            "resource": kubernetes.client.ResourceV1Api(self._client),
+        }
 
     def close(self) -> None:
         self._client.close()
@@ -158,3 +175,67 @@ class KubeApi:
         selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
         doc = self._json(self._core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False))
         return list(doc.get("items") or [])
+
+    # Generic namespaced objects (see _KINDS)
+
+    def _method(self, verb: str, kind: str) -> Any:
+        api, suffix = _KINDS[kind]
+        return getattr(self._apis[api], f"{verb}_namespaced_{suffix}")
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._json(self._method("read", kind)(name, namespace, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def create(self, body: Mapping[str, Any]) -> dict[str, Any]:
+        ns = body["metadata"]["namespace"]
+        return self._json(self._method("create", body["kind"])(ns, dict(body), _preload_content=False))
+
+    def patch(self, kind: str, namespace: str, name: str, patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._json(self._method("patch", kind)(
+            name, namespace, dict(patch), _content_type=MERGE_PATCH, _preload_content=False))
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """Delete (background propagation); with ``uid``, only that incarnation. False if already gone."""
+        body: dict[str, Any] = {"propagationPolicy": "Background"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self._method("delete", kind)(name, namespace, body=body, _preload_content=False)
+        except ApiException as e:
+            if e.status in (404, 409):  # gone, or replaced by a new object of that name
+                return False
+            raise
+        return True
+
+    def list(self, kind: str, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        doc = self._json(self._method("list", kind)(namespace, label_selector=selector, _preload_content=False))
+        return list(doc.get("items") or [])
+
+    # Cluster-scoped and custom objects the EngineSet reconcile reads
+
+    def get_device_class(self, name: str) -> dict[str, Any] | None:
+        try:
+            return self._json(self._apis["resource"].read_device_class(name, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def get_cache(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._json(self._custom.get_namespaced_custom_object(
+                API_GROUP, API_VERSION, namespace, PLURAL, name, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def patch_engineset_status(self, namespace: str, name: str, status_patch: Mapping[str, Any]) -> dict[str, Any]:
+        return self._json(self._custom.patch_namespaced_custom_object_status(
+            API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"status": dict(status_patch)},
+            _content_type=MERGE_PATCH, _preload_content=False))

@@ -12,7 +12,12 @@ What one WeightCache ``<ns>/<name>`` becomes:
   host (engine pods on the node mount the same directory to attach), the model root
   (host path) or the PVC mounted read-only at ``/models``;
 - ConfigMap ``<name>-sharding``, only when the spec has explicit sharding rules,
-  mounted as ``/etc/weightcache/sharding.yaml``.
+  mounted as ``/etc/weightcache/sharding.yaml``;
+- ServiceAccount ``weightcache-agent`` and a RoleBinding of it to the ClusterRole
+  ``weightcache-agent`` (shipped by the chart), one pair per namespace, shared by
+  every WeightCache there: the agents run as it, and its token is what rank 0 uses
+  for its one API write at a failover (the serving label of the promoted engine pod;
+  the chart's admission policy admits nothing else).
 
 Owner references are added by the handlers (they need the live owner's uid).
 """
@@ -48,6 +53,12 @@ AGENT_CONTAINER = "agent"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 # Label published by NVIDIA GPU feature discovery: number of GPUs on the node.
 GPU_COUNT_LABEL = "nvidia.com/gpu.count"
+
+
+# The agents' identity in each WeightCache namespace; the ClusterRole of the same
+# name and the admission policy that narrows it come with the chart.
+AGENT_SERVICE_ACCOUNT = "weightcache-agent"
+AGENT_CLUSTER_ROLE = "weightcache-agent"
 
 
 def daemonset_name(name: str) -> str:
@@ -251,8 +262,10 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         container["resources"] = dict(cs.agent_resources)
 
     pod_spec: dict[str, Any] = {
-        # The agent talks to no Kubernetes API: no token in the pod.
-        "automountServiceAccountToken": False,
+        # The agent's one API write (the serving label at a failover) uses this
+        # account's bound token; RBAC and the admission policy limit it to that.
+        "serviceAccountName": AGENT_SERVICE_ACCOUNT,
+        "automountServiceAccountToken": True,
         "containers": [container],
         "tolerations": _tolerations(cs),
         "volumes": volumes,
@@ -302,3 +315,31 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
 def daemonset_hash(ds: dict[str, Any]) -> str:
     """Hash of the parts of a rendered DaemonSet the operator owns (labels and spec)."""
     return content_hash({"labels": ds["metadata"].get("labels", {}), "spec": ds["spec"]})
+
+
+def render_agent_service_account(namespace: str) -> dict[str, Any]:
+    """The agents' ServiceAccount in one WeightCache namespace."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": {
+            "name": AGENT_SERVICE_ACCOUNT,
+            "namespace": namespace,
+            "labels": {LABEL_NAME: AGENT_APP, LABEL_MANAGED_BY: MANAGED_BY},
+        },
+    }
+
+
+def render_agent_role_binding(namespace: str) -> dict[str, Any]:
+    """Binds the agents' ServiceAccount to the chart's ClusterRole, in this namespace only."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": {
+            "name": AGENT_SERVICE_ACCOUNT,
+            "namespace": namespace,
+            "labels": {LABEL_NAME: AGENT_APP, LABEL_MANAGED_BY: MANAGED_BY},
+        },
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_CLUSTER_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": AGENT_SERVICE_ACCOUNT, "namespace": namespace}],
+    }

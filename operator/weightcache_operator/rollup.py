@@ -2,7 +2,7 @@
 
 Input: the agent pods (``agents.AgentPod``) and what each running one answered on
 ``/status`` (a dict, or the error). Output: a node entry per pod (phase, bytes,
-progress, load seconds, clients, GPU UUIDs, socket dir, fingerprint), counts per
+progress, load seconds, clients, GPU UUIDs, replicas, socket dir, fingerprint), counts per
 phase, and the Ready / Loading / Degraded conditions they imply.
 
 The status stays small whatever the cluster size: at most ``cap`` node entries
@@ -62,7 +62,40 @@ def _progress(doc: Mapping[str, Any], phase: str) -> int | None:
     return int(100 * sum(values) / len(values))
 
 
-def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | None) -> dict[str, Any]:
+def node_replicas(answer: Mapping[str, Any], tp: int | None) -> list[dict[str, Any]] | None:
+    """The replicas of the cache on one node: ``[{index, gpus, phase}]``.
+
+    A node with ``n`` GPUs and tensor size ``tp`` holds ``n // tp`` replicas, replica
+    ``r`` being GPUs ``r*tp .. r*tp+tp-1`` in the agent's UUID order. The agent's own
+    ``replicas`` list wins; without it (an older agent) the UUIDs are chunked by ``tp``
+    and every replica has the node's phase. None when neither says anything.
+    """
+    node_phase = answer.get("phase") if answer.get("phase") in PHASES else "Unknown"
+    reported = answer.get("replicas")
+    if isinstance(reported, list):
+        out = []
+        for i, r in enumerate(reported[:MAX_GPUS]):
+            if not isinstance(r, Mapping):
+                continue
+            index = r.get("index")
+            gpus = r.get("gpus")
+            phase = r.get("phase")
+            out.append({
+                "index": index if isinstance(index, int) and not isinstance(index, bool) and index >= 0 else i,
+                "gpus": [g[:64] for g in gpus if isinstance(g, str) and g][:MAX_GPUS] if isinstance(gpus, list) else [],
+                "phase": phase if phase in PHASES else node_phase,
+            })
+        return out
+    uuids = answer.get("gpuUUIDs")
+    if not tp or tp < 1 or not isinstance(uuids, list):
+        return None
+    uuids = [u[:64] for u in uuids if isinstance(u, str) and u][:MAX_GPUS]
+    return [{"index": r, "gpus": uuids[r * tp:(r + 1) * tp], "phase": node_phase}
+            for r in range(len(uuids) // tp)]
+
+
+def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | None,
+               tp: int | None = None) -> dict[str, Any]:
     """One ``.status.nodes`` entry for an agent pod and what its agent said (if asked)."""
     entry: dict[str, Any] = {"node": pod.node or "", "pod": pod.name}
     if pod.terminating:
@@ -100,6 +133,8 @@ def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | Non
     uuids = answer.get("gpuUUIDs")
     if isinstance(uuids, list):
         entry["gpuUUIDs"] = [u[:64] for u in uuids if isinstance(u, str) and u][:MAX_GPUS]
+    if replicas := node_replicas(answer, tp):
+        entry["replicas"] = replicas
     if (d := _str(answer.get("socketDir"), 512)) is not None:
         entry["socketDir"] = d
     if (f := _str(answer.get("fingerprint"), 128)) is not None:
@@ -112,6 +147,7 @@ def summarize(
     answers: Mapping[str, Mapping[str, Any] | AgentStatusError],
     desired_nodes: int | None,
     cap: int,
+    tp: int | None = None,
 ) -> dict[str, Any]:
     """Status fields from the agents: counts, capped node entries, ready/desired."""
     counts = {p.lower(): 0 for p in PHASES}
@@ -120,7 +156,7 @@ def summarize(
         if pod.node is None:
             counts["pending"] += 1  # not scheduled yet: no node to list it under
             continue
-        entry = node_entry(pod, answers.get(pod.name))
+        entry = node_entry(pod, answers.get(pod.name), tp)
         counts[entry["phase"].lower()] += 1
         entries.append(entry)
     entries.sort(key=lambda e: (_PRIORITY[e["phase"]], e["node"]))

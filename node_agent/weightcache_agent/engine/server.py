@@ -304,7 +304,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, self.engine.health())
         elif path == "/readyz":
             engine = self.engine
-            if engine.ready:
+            # ?role=any: attached and warm in either role. It is the readiness probe for engine
+            # pods: a standby must already count as ready when a promotion makes it serving.
+            if engine.ready or ("role=any" in self.path and engine.state == "serving"):
                 self._reply(200, {"ready": True, "role": engine.role})
             else:
                 self._reply(503, {"ready": False, "role": engine.role, "reason": engine.not_ready_reason()})

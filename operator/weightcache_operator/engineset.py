@@ -1,0 +1,622 @@
+"""The EngineSet reconcile: engine pods on a cache's GPUs, and serving labels that follow the agents.
+
+Runs on the same triggers as the WeightCache reconcile (create, resume, spec change
+including ``kubectl scale``, and a timer), on the same registry (``handlers``
+registers it), and, like it, does not care why it runs. One pass:
+
+1. parse the spec (``engineset_spec``); read the WeightCache it names and check the
+   template against the cache's tensor-parallel size, and (mode dra) that the
+   DeviceClass exists. Any problem: Ready=False, Degraded=True with the reason,
+   an Event, nothing touched, no exception (no retry storm; other EngineSets go on);
+2. ask the cache's agents for ``/status`` (``agents.fetch_all``): the Ready replicas
+   of the cache per node, and per lease group the pod the agent holds as primary;
+3. read back this EngineSet's pods and claims (label ``weightcache.io/engineset``
+   and controller owner reference), their placement from their annotations, and
+   place the groups (``placement.place``: existing groups stay, new ones spread);
+4. per group: create the claim, create each missing slot's pod (a deleted pod is
+   replaced by the next pass), delete failed pods and pods of groups or slots that
+   are no longer wanted (never a group's serving pod while the group keeps running);
+   create or patch the Service;
+5. serving labels from the agents' truth: ``"true"`` on each group's primary,
+   ``"false"`` on the others, one patch per pod that needs a change, all the
+   ``"true"`` patches before any ``"false"`` one, so a group with a live primary
+   always has a serving pod. A group whose agent did not answer keeps its labels
+   (the node's rank 0 writes the label itself at a failover);
+6. status (groups, counts, selector for the scale subresource, conditions), written
+   only when it changed; an Event for every condition change and every failover
+   seen (the agent's primary of a group changed).
+
+Everything the operator writes is owned by the EngineSet (controller reference), so
+deleting it removes pods, claims and the Service through garbage collection; the
+WeightCache is never touched. Nothing is remembered between passes that is not in
+the API, except the time each primary was last seen (for the failover duration).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL
+from .agents import AgentStatusError, fetch_all, select_agent_pods
+from .conditions import DEGRADED, READY, Desired, merge, now_rfc3339, transitions
+from .config import AGENT_HTTP_PORT, OperatorConfig
+from .engineset_manifests import (
+    LABEL_ENGINESET,
+    LABEL_GROUP,
+    LABEL_SERVING,
+    LABEL_TEMPLATE_HASH,
+    claim_name,
+    lease_group,
+    placement_of,
+    pod_name,
+    render_claim,
+    render_pod,
+    render_service,
+    selector_labels,
+    selector_string,
+    template_hash,
+)
+from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
+from .kube import KubeApi, merge_patch_for
+from .manifests import selector_labels as agent_selector_labels
+from .placement import Placement, Replica, orphaned, place
+from .rollup import node_replicas
+from .spec import CacheSpec, SpecError, parse_spec, plain
+
+STATUS_KEYS = (
+    "observedGeneration", "replicas", "readyGroups", "servingGroups", "standbys", "selector",
+    "rollout", "groups", "conditions",
+)
+MAX_GROUP_ENTRIES = 64
+
+
+class Rejected(Exception):
+    """The API server refused to create an object as rendered (message says which and why)."""
+
+
+def _api_message(e: ApiException) -> str:
+    try:
+        return str(json.loads(e.body or "{}").get("message") or e.reason)[:512]
+    except (ValueError, AttributeError):
+        return str(e.reason)
+
+
+@dataclasses.dataclass(frozen=True)
+class PodRef:
+    """An engine pod as an agent's lease names it."""
+
+    namespace: str | None
+    name: str
+    uid: str | None
+    promoted_at: float | None = None
+
+
+def _lease_lists(rank: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+    for key in ("leases", "clients"):
+        leases = rank.get(key)
+        if isinstance(leases, list):
+            yield from (x for x in leases if isinstance(x, Mapping))
+
+
+def primaries(doc: Mapping[str, Any]) -> dict[str, PodRef]:
+    """Per lease group, the pod an agent's ``/status`` holds as primary.
+
+    Leases are reported per rank (``ranks[].leases`` or ``ranks[].clients``), each
+    with ``role``, ``group`` and ``pod: {namespace, name, uid}``. Rank 0 is the one
+    that writes the serving label at a failover, so its view wins; other ranks fill
+    in groups rank 0 does not list. Malformed entries are skipped.
+    """
+    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
+    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
+    out: dict[str, PodRef] = {}
+    for rank in ranks:
+        for lease in _lease_lists(rank):
+            group, pod = lease.get("group"), lease.get("pod")
+            if lease.get("role") != "primary" or not isinstance(group, str) or group in out:
+                continue
+            if not isinstance(pod, Mapping) or not isinstance(pod.get("name"), str) or not pod["name"]:
+                continue
+            promoted = lease.get("promotedAt", lease.get("promoted_at"))
+            out[group] = PodRef(
+                namespace=pod.get("namespace") if isinstance(pod.get("namespace"), str) else None,
+                name=pod["name"],
+                uid=pod.get("uid") if isinstance(pod.get("uid"), str) and pod.get("uid") else None,
+                promoted_at=float(promoted) if isinstance(promoted, (int, float)) and not isinstance(promoted, bool) else None,
+            )
+    return out
+
+
+def _meta(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def controlled_by(obj: Mapping[str, Any], owner_uid: str | None) -> bool:
+    for ref in _meta(obj).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return owner_uid is not None and ref.get("uid") == owner_uid
+    return False
+
+
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
+def _slot_of(pod_name_: str, name: str, group: int) -> int | None:
+    prefix = f"{name}-{group}-"
+    rest = pod_name_[len(prefix):] if pod_name_.startswith(prefix) else ""
+    return int(rest) if rest.isdigit() else None
+
+
+@dataclasses.dataclass
+class GroupPods:
+    """The live pods of one group by slot (terminating ones apart: their names are still taken)."""
+
+    live: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    terminating: set[int] = dataclasses.field(default_factory=set)
+
+
+def problem_conditions(reason: str, message: str) -> list[Desired]:
+    return [
+        Desired(READY, "False", reason, "the EngineSet cannot be reconciled; running pods were not changed"),
+        Desired(DEGRADED, "True", reason, message),
+    ]
+
+
+def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key in STATUS_KEYS:
+        if key in new:
+            if old.get(key) != new[key]:
+                patch[key] = new[key]
+        elif key in old:
+            patch[key] = None
+    return patch
+
+
+@dataclasses.dataclass
+class CacheView:
+    """What the reconcile knows about the WeightCache: its spec, Ready condition and agents."""
+
+    spec: CacheSpec
+    ready: bool
+    ready_message: str
+    replicas: list[Replica]
+    primaries: dict[str, dict[str, PodRef]]  # node -> lease group -> primary
+    unreachable: dict[str, str]  # node -> why its agent did not answer
+    agent_nodes: set[str]  # nodes with an agent pod of the cache (answering or not)
+
+
+class EngineSetReconciler:
+    """One instance per operator run; shares the API client with the WeightCache reconciler."""
+
+    def __init__(self, config: OperatorConfig, api: KubeApi | None = None) -> None:
+        self.config = config
+        self.api = api
+
+    async def reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | kopf.Logger) -> None:
+        lock = memo.setdefault("lock", asyncio.Lock())
+        async with lock:
+            await self._reconcile(body, memo, logger)
+
+    # --- reading ------------------------------------------------------------------------
+
+    def _read_cache(self, namespace: str, es: EngineSetSpec) -> tuple[CacheSpec, bool, str]:
+        assert self.api is not None
+        cache = self.api.get_cache(namespace, es.cache_name)
+        if cache is None:
+            raise SpecError("CacheNotFound", f"spec.cacheRef: WeightCache {namespace}/{es.cache_name} does not exist")
+        try:
+            cs = parse_spec(plain(cache.get("spec") or {}))
+        except SpecError as e:
+            raise SpecError("CacheInvalid", f"spec.cacheRef: WeightCache {es.cache_name} is invalid: {e.message}") from None
+        check_gpu_resources(es, cs.tensor)
+        if es.mode == "dra" and self.api.get_device_class(es.device_class) is None:
+            raise SpecError("UnknownDeviceClass",
+                            f"spec.gpuBinding.deviceClassName: DeviceClass {es.device_class} does not exist "
+                            "(install the GPU's DRA driver, or use gpuBinding.mode visibleDevices)")
+        ready = {c.get("type"): c for c in (cache.get("status") or {}).get("conditions") or []}.get("Ready") or {}
+        return cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet")
+
+    async def _cache_view(self, namespace: str, es: EngineSetSpec) -> CacheView:
+        assert self.api is not None
+        cs, ready, message = await asyncio.to_thread(self._read_cache, namespace, es)
+        labels = agent_selector_labels(es.cache_name)
+        raw = await asyncio.to_thread(self.api.list_pods, namespace, labels)
+        agents = select_agent_pods(raw, labels, AGENT_HTTP_PORT)
+        answers = await fetch_all(agents, timeout=self.config.agent_http_timeout)
+        replicas: list[Replica] = []
+        prim: dict[str, dict[str, PodRef]] = {}
+        unreachable: dict[str, str] = {}
+        for agent in agents:
+            if agent.node is None:
+                continue
+            doc = answers.get(agent.name)
+            if not isinstance(doc, dict):
+                unreachable[agent.node] = str(doc) if isinstance(doc, AgentStatusError) else f"agent pod is {agent.phase}"
+                continue
+            prim[agent.node] = primaries(doc)
+            if doc.get("phase") != "Ready" and not isinstance(doc.get("replicas"), list):
+                continue
+            for r in node_replicas(doc, cs.tensor) or []:
+                if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
+                    replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
+        return CacheView(cs, ready, message, replicas, prim, unreachable,
+                         {a.node for a in agents if a.node is not None})
+
+    def _owned(self, kind: str, namespace: str, name: str, uid: str | None) -> list[dict[str, Any]]:
+        assert self.api is not None
+        try:
+            items = self.api.list(kind, namespace, selector_labels(name))
+        except ApiException as e:
+            if kind == "ResourceClaim" and e.status == 404:
+                return []  # no resource.k8s.io/v1 on this cluster: nothing of ours can exist
+            raise
+        # Repeat the label filter (servers that ignore selectors) and keep only what we control.
+        return [o for o in items
+                if (_meta(o).get("labels") or {}).get(LABEL_ENGINESET) == name and controlled_by(o, uid)]
+
+    # --- writing ------------------------------------------------------------------------
+
+    def _create(self, obj: dict[str, Any], owner: kopf.Body) -> dict[str, Any] | None:
+        """Create an owned object; None when the name is taken (by a previous pass or by someone else).
+
+        A refusal that says the object itself is wrong or not allowed (400, 403, 422:
+        an invalid template, a quota, a Pod Security level) is the user's input, not a
+        transient failure: it becomes ``Rejected`` for a condition, never a retry storm.
+        """
+        assert self.api is not None
+        kopf.append_owner_reference(obj, owner=owner)
+        try:
+            return self.api.create(obj)
+        except ApiException as e:
+            if e.status == 409:
+                return None
+            if e.status in (400, 403, 422):
+                raise Rejected(f"{obj['kind']} {obj['metadata']['name']}: {_api_message(e)}") from None
+            raise
+
+    def _ensure_service(self, desired: dict[str, Any], owner: kopf.Body, uid: str | None) -> str:
+        assert self.api is not None
+        ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
+        current = self.api.get("Service", ns, name)
+        if current is None:
+            return "created" if self._create(desired, owner) is not None else "conflict"
+        if not controlled_by(current, uid):
+            return "conflict"
+        spec = current.get("spec") or {}
+        want = {"selector": desired["spec"]["selector"], "ports": desired["spec"]["ports"]}
+        have = {"selector": spec.get("selector"),
+                "ports": [{k: p.get(k) for k in ("name", "port", "targetPort", "protocol")} for p in spec.get("ports") or []]}
+        if have == want:
+            return "unchanged"
+        patch: dict[str, Any] = {"spec": merge_patch_for(have, want)}
+        if _meta(current).get("resourceVersion"):
+            patch["metadata"] = {"resourceVersion": _meta(current)["resourceVersion"]}
+        self.api.patch("Service", ns, name, patch)
+        return "patched"
+
+    def _set_serving(self, pod: Mapping[str, Any], value: str) -> None:
+        assert self.api is not None
+        meta = _meta(pod)
+        patch: dict[str, Any] = {"metadata": {"labels": {LABEL_SERVING: value}}}
+        if meta.get("uid"):
+            patch["metadata"]["uid"] = meta["uid"]  # precondition: never a replacement of that name
+        self.api.patch("Pod", meta["namespace"], meta["name"], patch)
+
+    # --- the reconcile ------------------------------------------------------------------
+
+    async def _reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: Any) -> None:
+        if self.api is None:
+            raise kopf.TemporaryError("API client not ready (login pending)", delay=1)
+        meta = body.get("metadata") or {}
+        namespace, name = meta["namespace"], meta["name"]
+        uid, generation = meta.get("uid"), meta.get("generation")
+        old_status = {**plain(body.get("status") or {}), **memo.get("written", {})}
+        new_status: dict[str, Any] = {k: old_status[k] for k in STATUS_KEYS if k in old_status}
+        if generation is not None:
+            new_status["observedGeneration"] = generation
+        new_status["selector"] = selector_string(name)
+
+        try:
+            es = parse_engineset(name, plain(body.get("spec") or {}))
+            view = await self._cache_view(namespace, es)
+        except SpecError as e:
+            logger.warning(f"not reconciling, pods left unchanged: {e.message}")
+            desired = problem_conditions(e.reason, e.message)
+        else:
+            desired = await self._converge(body, memo, logger, namespace, name, uid, es, view, old_status, new_status)
+
+        new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
+        patch = status_patch(old_status, new_status)
+        if not patch:
+            return
+        await asyncio.to_thread(self.api.patch_engineset_status, namespace, name, patch)
+        memo["written"] = {k: v for k, v in new_status.items() if k in STATUS_KEYS}
+        for t in transitions(old_status.get("conditions"), new_status["conditions"]):
+            kopf.event(body, type="Warning" if t.warning else "Normal", reason=t.reason,
+                       message=f"{t.type}={t.status}: {t.message}"[:1024])
+            logger.info(f"condition {t.type} {t.old_status} -> {t.status} ({t.reason}): {t.message}")
+
+    async def _converge(
+        self, body: kopf.Body, memo: kopf.Memo, logger: Any, namespace: str, name: str, uid: str | None,
+        es: EngineSetSpec, view: CacheView, old_status: Mapping[str, Any], new_status: dict[str, Any],
+    ) -> list[Desired]:
+        assert self.api is not None
+        api = self.api
+        pods = await asyncio.to_thread(self._owned, "Pod", namespace, name, uid)
+        claims = await asyncio.to_thread(self._owned, "ResourceClaim", namespace, name, uid) if es.mode == "dra" else []
+
+        def note(action: str, kind: str, obj_name: str, why: str = "") -> None:
+            message = f"{action} {kind} {obj_name}" + (f": {why}" if why else "")
+            logger.info(message)
+            kopf.event(body, type="Normal", reason=f"{kind}{action.capitalize()}", message=message[:1024])
+
+        # What exists, by group.
+        by_group: dict[int, GroupPods] = {}
+        for pod in pods:
+            try:
+                group = int((_meta(pod).get("labels") or {}).get(LABEL_GROUP, ""))
+            except ValueError:
+                continue
+            slot = _slot_of(_meta(pod).get("name", ""), name, group)
+            if slot is None:
+                continue
+            gp = by_group.setdefault(group, GroupPods())
+            if _meta(pod).get("deletionTimestamp"):
+                gp.terminating.add(slot)
+            else:
+                gp.live[slot] = pod
+        claim_by_group: dict[int, dict[str, Any]] = {}
+        # A claim being deleted still holds its name (and, while pods use it, its devices):
+        # its group waits for it to go before anything is created for it again.
+        waiting: set[int] = set()
+        for claim in claims:
+            try:
+                group = int((_meta(claim).get("labels") or {}).get(LABEL_GROUP, ""))
+            except ValueError:
+                continue
+            if _meta(claim).get("deletionTimestamp"):
+                waiting.add(group)
+            else:
+                claim_by_group[group] = claim
+
+        existing: dict[int, Placement] = {}
+        for group in set(by_group) | set(claim_by_group):
+            sources = ([claim_by_group[group]] if group in claim_by_group else []) + list(by_group.get(group, GroupPods()).live.values())
+            for obj in sources:
+                # A placement of another size than the cache's tp (its parallelism changed) is void.
+                if (p := placement_of(obj, group)) is not None and len(p.gpus) == view.spec.tensor:
+                    existing[group] = p
+                    break
+        running = {g for g, gp in by_group.items()
+                   if any((x.get("status") or {}).get("phase") == "Running" for x in gp.live.values())}
+        for group in orphaned(existing, view.agent_nodes, running):
+            logger.info(f"group {group}: node {existing[group].node} has no agent and no running pod; placing it again")
+            del existing[group]
+        placed, unplaced = place(es.replicas, existing, view.replicas)
+
+        # Groups no longer wanted, and groups whose recorded placement lost (overlap): remove.
+        for group in sorted(set(by_group) | set(claim_by_group)):
+            if group in placed and existing.get(group) == placed[group]:
+                continue
+            gp = by_group.get(group, GroupPods())
+            if not gp.live and group not in claim_by_group:
+                continue  # only terminating pods: nothing to remove, and nothing stands in the way
+            for slot, pod in sorted(gp.live.items()):
+                if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
+                    note("deleted", "Pod", _meta(pod)["name"], f"group {group} is not wanted or moved")
+                gp.terminating.add(slot)
+            gp.live.clear()
+            if group in claim_by_group:
+                claim = claim_by_group.pop(group)
+                if await asyncio.to_thread(api.delete, "ResourceClaim", namespace, _meta(claim)["name"], _meta(claim).get("uid")):
+                    note("deleted", "ResourceClaim", _meta(claim)["name"])
+            waiting.add(group)
+
+        thash = template_hash(es, view.spec, self.config)
+        serving_true: list[dict[str, Any]] = []
+        serving_false: list[dict[str, Any]] = []
+        seen = memo.setdefault("primary_seen", {})
+        old_groups = {g.get("index"): g for g in old_status.get("groups") or [] if isinstance(g, Mapping)}
+        groups_status: list[dict[str, Any]] = []
+        conflicts: list[str] = []
+        rejected: list[str] = []
+        now_mono = time.monotonic()
+        counts = {"replicas": 0, "ready": 0, "serving": 0, "standbys": 0, "pods": 0, "updated": 0}
+
+        for group, p in placed.items():
+            gp = by_group.setdefault(group, GroupPods())
+            if group in waiting:
+                # Its old objects are going away (scaled down and up, moved): a later pass creates anew.
+                groups_status.append({"index": group, "phase": "Starting", "node": p.node, "gpus": list(p.gpus)})
+                continue
+            if es.mode == "dra" and group not in claim_by_group:
+                try:
+                    created = await asyncio.to_thread(self._create, render_claim(es, namespace, name, p), body)
+                except Rejected as e:
+                    rejected.append(str(e))
+                    created = None
+                if created is not None:
+                    note("created", "ResourceClaim", claim_name(name, group), f"{p.node} {','.join(p.gpus)}")
+                    claim_by_group[group] = created
+            # Failed or finished pods are replaced; a stale placement means the pod goes too.
+            for slot, pod in sorted(gp.live.items()):
+                phase = (pod.get("status") or {}).get("phase")
+                wrong_place = placement_of(pod, group) not in (None, p)
+                if phase in ("Failed", "Succeeded") or wrong_place:
+                    if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
+                        note("deleted", "Pod", _meta(pod)["name"], f"pod {phase}" if not wrong_place else "placement changed")
+                    del gp.live[slot]
+                    gp.terminating.add(slot)
+            for slot in range(es.slots):
+                if slot in gp.live or slot in gp.terminating:
+                    continue
+                pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
+                try:
+                    created = await asyncio.to_thread(self._create, pod, body)
+                except Rejected as e:
+                    rejected.append(str(e))
+                    break  # the other slots would be refused for the same reason
+                if created is None:
+                    conflicts.append(pod_name(name, group, slot))
+                    continue
+                note("created", "Pod", pod_name(name, group, slot), f"group {group} slot {slot} on {p.node}")
+                gp.live[slot] = created
+
+            # Roles: the agent's truth, by pod name and uid.
+            ref = view.primaries.get(p.node, {}).get(lease_group(namespace, name, group))
+            primary = None
+            if ref is not None:
+                for pod in gp.live.values():
+                    m = _meta(pod)
+                    if m.get("name") == ref.name and (ref.uid is None or m.get("uid") in (None, ref.uid)):
+                        primary = pod
+            labelled = [pod for pod in gp.live.values() if (_meta(pod).get("labels") or {}).get(LABEL_SERVING) == "true"]
+            if primary is not None:
+                if (_meta(primary).get("labels") or {}).get(LABEL_SERVING) != "true":
+                    serving_true.append(primary)
+                serving_false += [pod for pod in labelled if pod is not primary]
+            # Excess standbys go; a primary in an excess slot stays until the agent moves it.
+            for slot, pod in sorted(gp.live.items()):
+                if slot >= es.slots and pod is not primary and pod not in labelled:
+                    if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
+                        note("deleted", "Pod", _meta(pod)["name"], f"standbys is {es.standbys}")
+                    del gp.live[slot]
+
+            serving_pod = primary if primary is not None else (labelled[0] if labelled else None)
+            entry: dict[str, Any] = {"index": group, "node": p.node, "gpus": list(p.gpus)}
+            if es.mode == "dra":
+                entry["claim"] = claim_name(name, group)
+            if serving_pod is not None:
+                entry["primary"] = _meta(serving_pod)["name"]
+            entry["standbys"] = sorted(_meta(x)["name"] for x in gp.live.values() if x is not serving_pod)[:9]
+            old = old_groups.get(group) or {}
+            for key in ("lastFailoverTime", "lastFailoverSeconds"):
+                if key in old:
+                    entry[key] = old[key]
+            if ref is not None and primary is not None:
+                before = old.get("primary")
+                last = seen.get(group)
+                if before and before != ref.name:
+                    seconds = None
+                    if last is not None and last[0] == before:
+                        seconds = round(now_mono - last[1], 3)
+                    entry["lastFailoverTime"] = now_rfc3339()
+                    if seconds is not None:
+                        entry["lastFailoverSeconds"] = seconds
+                    else:
+                        entry.pop("lastFailoverSeconds", None)
+                    kopf.event(body, type="Normal", reason="Failover",
+                               message=f"group {group} on {p.node}: the agent promoted {ref.name} (was {before})")
+                    logger.info(f"group {group}: failover {before} -> {ref.name}")
+                seen[group] = (ref.name, now_mono)
+
+            ready_primary = serving_pod is not None and pod_ready(serving_pod)
+            if gp.live:
+                counts["replicas"] += 1
+            counts["ready"] += int(ready_primary)
+            counts["serving"] += int(ready_primary and (serving_pod in serving_true or serving_pod in labelled))
+            counts["standbys"] += sum(1 for x in gp.live.values() if x is not serving_pod and pod_ready(x))
+            counts["pods"] += len(gp.live)
+            counts["updated"] += sum(1 for x in gp.live.values()
+                                     if (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH) == thash)
+            entry["phase"] = "Serving" if ready_primary else "Starting"
+            groups_status.append(entry)
+        for group in unplaced:
+            groups_status.append({"index": group, "phase": "Unplaced"})
+
+        # The new serving pods first, then the old ones stop: never a gap in a group with a live primary.
+        for pod in serving_true:
+            await asyncio.to_thread(self._set_serving, pod, "true")
+            logger.info(f"serving: {_meta(pod)['name']}")
+        for pod in serving_false:
+            await asyncio.to_thread(self._set_serving, pod, "false")
+            logger.info(f"not serving: {_meta(pod)['name']}")
+
+        service = render_service(es, namespace, name)
+        try:
+            action = await asyncio.to_thread(self._ensure_service, service, body, uid)
+        except Rejected as e:
+            rejected.append(str(e))
+            action = "rejected"
+        if action in ("created", "patched"):
+            note(action, "Service", es.service_name)
+        elif action == "conflict":
+            conflicts.append(f"Service {es.service_name}")
+
+        groups_status.sort(key=lambda g: g["index"])
+        new_status.update(
+            replicas=counts["replicas"], readyGroups=counts["ready"], servingGroups=counts["serving"],
+            standbys=counts["standbys"], groups=groups_status[:MAX_GROUP_ENTRIES],
+            rollout={"phase": "Complete" if counts["updated"] == counts["pods"] else "Outdated",
+                     "templateHash": thash, "updatedPods": counts["updated"], "pods": counts["pods"]},
+        )
+        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed)
+
+    @staticmethod
+    def _conditions(es: EngineSetSpec, view: CacheView, counts: Mapping[str, int], unplaced: list[int],
+                    conflicts: list[str], rejected: list[str], placed: Mapping[int, Placement]) -> list[Desired]:
+        wanted, serving = es.replicas, counts["serving"]
+        if wanted == 0:
+            ready = Desired(READY, "True", "ScaledToZero", "replicas is 0")
+        elif serving >= wanted:
+            ready = Desired(READY, "True", "AllGroupsServing", f"{serving}/{wanted} groups serving")
+        else:
+            ready = Desired(READY, "False", "GroupsNotServing", f"{serving}/{wanted} groups serving")
+        unreachable = sorted({p.node for p in placed.values() if p.node in view.unreachable})
+        if rejected:
+            degraded = Desired(DEGRADED, "True", "Rejected",
+                               "the API server refused " + "; ".join(rejected[:3]))
+        elif conflicts:
+            degraded = Desired(DEGRADED, "True", "OwnershipConflict",
+                               f"{', '.join(conflicts[:3])} already exist(s) and are not controlled by this EngineSet; "
+                               "rename or delete them")
+        elif unplaced and not view.ready:
+            degraded = Desired(DEGRADED, "True", "CacheNotReady",
+                               f"{len(unplaced)} group(s) not placed: WeightCache {es.cache_name} is not Ready "
+                               f"({view.ready_message})")
+        elif unplaced:
+            degraded = Desired(DEGRADED, "True", "NoFreeReplica",
+                               f"{len(unplaced)} group(s) not placed: every Ready replica of WeightCache "
+                               f"{es.cache_name} ({len(view.replicas)}) holds a group; add nodes or lower replicas")
+        elif unreachable:
+            degraded = Desired(DEGRADED, "True", "AgentUnreachable",
+                               "agents not answering on " + ", ".join(
+                                   f"{n} ({view.unreachable[n]})" for n in unreachable[:3]))
+        else:
+            degraded = Desired(DEGRADED, "False", "AsExpected", "every group is placed")
+        return [ready, degraded]
+
+
+def register(registry: kopf.OperatorRegistry, reconciler: EngineSetReconciler, config: OperatorConfig) -> None:
+    """The EngineSet handlers, on the operator's registry (``handlers.build_registry`` calls this)."""
+    resource = (API_GROUP, API_VERSION, ENGINESET_PLURAL)
+
+    async def on_change(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        try:
+            await reconciler.reconcile(body, memo, logger)
+        except ApiException as e:
+            raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=5) from e
+
+    kopf.on.resume(*resource, registry=registry, id="engineset-resume")(on_change)
+    kopf.on.create(*resource, registry=registry, id="engineset-create")(on_change)
+    kopf.on.update(*resource, registry=registry, id="engineset-update", field="spec")(on_change)
+
+    async def poll(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
+        try:
+            await reconciler.reconcile(body, memo, logger)
+        except ApiException as e:
+            logger.warning(f"{ENGINESET_KIND} reconcile failed, retrying in {config.poll_interval}s: "
+                           f"API error {e.status}: {e.reason}")
+
+    kopf.timer(*resource, registry=registry, id="engineset-poll", interval=config.poll_interval,
+               initial_delay=min(5.0, config.poll_interval))(poll)

@@ -1,0 +1,264 @@
+"""Pure builders: an ``EngineSetSpec`` and a group's placement -> the objects that serve it.
+
+No I/O and no kopf: the same inputs give the same dicts, so tests validate every
+object against the Kubernetes OpenAPI schemas and the reconcile can compare what it
+would write with what is there. Names, labels and environment are the contract in
+docs/engineset.md. What one EngineSet ``<ns>/<name>`` becomes:
+
+- per group ``g`` (one replica of the cache: one node, ``tp`` GPUs):
+  - ResourceClaim ``<name>-<g>`` (gpuBinding.mode dra; resource.k8s.io/v1, so
+    Kubernetes >= 1.34): exactly ``tp`` devices of the DeviceClass, pinned to the
+    group's GPU UUIDs by a CEL selector; every pod of the group references it;
+  - Pods ``<name>-<g>-<slot>``, slot 0..standbys: the user's template plus the node
+    (nodeSelector ``kubernetes.io/hostname``), the GPUs (the claim, or
+    ``NVIDIA_VISIBLE_DEVICES`` with a RuntimeClass), the ``WEIGHTCACHE_*``
+    environment, the cache's socket directory and model root, and the labels the
+    Service selects on. Names never encode a role: the agent decides who is primary;
+- Service ``spec.service.name`` (default ``<name>``): the pods of this EngineSet
+  labelled ``weightcache.io/serving=true``, one per group.
+
+Owner references are added by the reconcile (they need the live owner's uid).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from .config import OperatorConfig
+from .engineset_spec import GPU_RESOURCE, EngineSetSpec
+from .manifests import (
+    GPU_TOLERATION,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    MODEL_MOUNT,
+    content_hash,
+    socket_dir,
+)
+from .placement import Placement
+from .spec import CacheSpec
+
+LABEL_ENGINESET = "weightcache.io/engineset"
+LABEL_GROUP = "weightcache.io/group"
+LABEL_SERVING = "weightcache.io/serving"
+LABEL_TEMPLATE_HASH = "weightcache.io/template-hash"
+ANNOTATION_NODE = "weightcache.io/node"
+ANNOTATION_GPUS = "weightcache.io/gpus"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+# Names the operator adds to the pod; a template's own entries of these names are replaced.
+CLAIM_REF = "weightcache-gpus"
+SOCKET_VOLUME = "weightcache-sockets"
+MODEL_VOLUME = "weightcache-models"
+CLAIM_REQUEST = "gpus"
+ENV_NAMES = (
+    "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES", "WEIGHTCACHE_GROUP", "WEIGHTCACHE_ROLE",
+    "WEIGHTCACHE_POD_NAME", "WEIGHTCACHE_POD_NAMESPACE", "WEIGHTCACHE_POD_UID", "NVIDIA_VISIBLE_DEVICES",
+)
+
+
+def pod_name(name: str, group: int, slot: int) -> str:
+    return f"{name}-{group}-{slot}"
+
+
+def claim_name(name: str, group: int) -> str:
+    return f"{name}-{group}"
+
+
+def lease_group(namespace: str, name: str, group: int) -> str:
+    """The agent's lease group of a serving group (``WEIGHTCACHE_GROUP``)."""
+    return f"{namespace}/{name}-{group}"
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    """Every engine pod of the EngineSet (the scale subresource's selector)."""
+    return {LABEL_ENGINESET: name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def service_selector(name: str) -> dict[str, str]:
+    return {LABEL_ENGINESET: name, LABEL_SERVING: "true"}
+
+
+def template_hash(es: EngineSetSpec, cs: CacheSpec, config: OperatorConfig) -> str:
+    """Hash of everything that shapes an engine pod except its placement, slot and role."""
+    return content_hash({
+        "template": es.template,
+        "binding": [es.mode, es.device_class if es.mode == "dra" else es.runtime_class],
+        "cache": es.cache_name,
+        "models": [cs.model_pvc, config.model_root if cs.model_pvc is None else None],
+    })
+
+
+def _object_labels(name: str, group: int) -> dict[str, str]:
+    return {LABEL_MANAGED_BY: MANAGED_BY, LABEL_ENGINESET: name, LABEL_GROUP: str(group)}
+
+
+def _placement_annotations(p: Placement) -> dict[str, str]:
+    return {ANNOTATION_NODE: p.node, ANNOTATION_GPUS: ",".join(p.gpus)}
+
+
+def placement_of(obj: Mapping[str, Any], group: int) -> Placement | None:
+    """Read a group's placement back from a claim's or pod's annotations."""
+    ann = (obj.get("metadata") or {}).get("annotations") or {}
+    node, gpus = ann.get(ANNOTATION_NODE), ann.get(ANNOTATION_GPUS)
+    if not isinstance(node, str) or not node or not isinstance(gpus, str) or not gpus:
+        return None
+    return Placement(group, node, tuple(g for g in gpus.split(",") if g))
+
+
+def _strip_gpu_resource(resources: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in resources.items():
+        if key in ("limits", "requests") and isinstance(value, Mapping):
+            value = {k: v for k, v in value.items() if k != GPU_RESOURCE}
+            if not value:
+                continue
+        out[key] = value
+    return out
+
+
+def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement) -> list[dict[str, Any]]:
+    def field(path: str) -> dict[str, Any]:
+        return {"fieldRef": {"fieldPath": path}}
+
+    env: list[dict[str, Any]] = [
+        {"name": "WEIGHTCACHE_SOCKET_DIR", "value": socket_dir(namespace, es.cache_name)},
+        {"name": "WEIGHTCACHE_DEVICES", "value": ",".join(p.gpus)},
+        {"name": "WEIGHTCACHE_GROUP", "value": lease_group(namespace, name, p.group)},
+        {"name": "WEIGHTCACHE_ROLE", "value": "auto"},
+        {"name": "WEIGHTCACHE_POD_NAME", "valueFrom": field("metadata.name")},
+        {"name": "WEIGHTCACHE_POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
+        {"name": "WEIGHTCACHE_POD_UID", "valueFrom": field("metadata.uid")},
+    ]
+    if es.mode == "visibleDevices":
+        env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(p.gpus)})
+    return env
+
+
+def render_pod(
+    es: EngineSetSpec,
+    cs: CacheSpec,
+    config: OperatorConfig,
+    namespace: str,
+    name: str,
+    p: Placement,
+    slot: int,
+    serving: bool = False,
+) -> dict[str, Any]:
+    """Engine pod ``<name>-<group>-<slot>`` on the group's node and GPUs."""
+    template = copy.deepcopy(dict(es.template))
+    tmeta = template.get("metadata") or {}
+    spec: dict[str, Any] = dict(template["spec"])
+    sockets = socket_dir(namespace, es.cache_name)
+
+    labels = {k: v for k, v in (tmeta.get("labels") or {}).items()}
+    labels.update(_object_labels(name, p.group))
+    labels[LABEL_SERVING] = "true" if serving else "false"
+    labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
+    annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p)}
+
+    ours = _env(es, namespace, name, p)
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets},
+              {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}]
+    containers = []
+    for c in spec["containers"]:
+        c = dict(c)
+        c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + ours
+        c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
+                             if m.get("name") not in (SOCKET_VOLUME, MODEL_VOLUME)
+                             and m.get("mountPath") not in (sockets, MODEL_MOUNT)] + mounts
+        resources = _strip_gpu_resource(c.get("resources") or {})
+        if es.mode == "dra":
+            claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
+            resources["claims"] = claims + [{"name": CLAIM_REF}]
+        if resources:
+            c["resources"] = resources
+        else:
+            c.pop("resources", None)
+        containers.append(c)
+    spec["containers"] = containers
+
+    if cs.model_pvc is not None:
+        models: dict[str, Any] = {"name": MODEL_VOLUME,
+                                  "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True}}
+    else:
+        models = {"name": MODEL_VOLUME, "hostPath": {"path": config.model_root, "type": "Directory"}}
+    spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in (SOCKET_VOLUME, MODEL_VOLUME)] + [
+        # The agent creates the directory; an engine scheduled before it waits in ContainerCreating.
+        {"name": SOCKET_VOLUME, "hostPath": {"path": sockets, "type": "Directory"}},
+        models,
+    ]
+    spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), HOSTNAME_LABEL: p.node}
+    tolerations = list(spec.get("tolerations") or [])
+    if GPU_TOLERATION not in tolerations:
+        tolerations.append(dict(GPU_TOLERATION))
+    spec["tolerations"] = tolerations
+    spec.pop("nodeName", None)  # the scheduler places it (the claim must be allocated first)
+    if es.mode == "dra":
+        claims = [x for x in spec.get("resourceClaims") or [] if x.get("name") != CLAIM_REF]
+        spec["resourceClaims"] = claims + [{"name": CLAIM_REF, "resourceClaimName": claim_name(name, p.group)}]
+    else:
+        spec["runtimeClassName"] = es.runtime_class
+
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": pod_name(name, p.group, slot),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": spec,
+    }
+
+
+def claim_selector(gpus: tuple[str, ...] | list[str]) -> str:
+    """CEL for the claim: only these GPUs, by the UUID attribute their driver publishes."""
+    return f"device.attributes[device.driver].uuid in [{', '.join(json.dumps(u) for u in gpus)}]"
+
+
+def render_claim(es: EngineSetSpec, namespace: str, name: str, p: Placement) -> dict[str, Any]:
+    """ResourceClaim ``<name>-<group>`` for the group's GPUs (resource.k8s.io/v1; its spec is immutable)."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": claim_name(name, p.group),
+            "namespace": namespace,
+            "labels": _object_labels(name, p.group),
+            "annotations": _placement_annotations(p),
+        },
+        "spec": {"devices": {"requests": [{
+            "name": CLAIM_REQUEST,
+            "exactly": {
+                "deviceClassName": es.device_class,
+                "allocationMode": "ExactCount",
+                "count": len(p.gpus),
+                "selectors": [{"cel": {"expression": claim_selector(p.gpus)}}],
+            },
+        }]}},
+    }
+
+
+def render_service(es: EngineSetSpec, namespace: str, name: str) -> dict[str, Any]:
+    """The Service in front of each group's serving engine."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": es.service_name,
+            "namespace": namespace,
+            "labels": {LABEL_MANAGED_BY: MANAGED_BY, LABEL_ENGINESET: name},
+        },
+        "spec": {
+            "type": "ClusterIP",
+            "selector": service_selector(name),
+            "ports": [{"name": "http", "port": es.port, "targetPort": es.target_port, "protocol": "TCP"}],
+        },
+    }

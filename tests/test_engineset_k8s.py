@@ -1,0 +1,151 @@
+"""The EngineSet reconcile on a real control plane, as the chart's operator account.
+
+The operator runs in this process (kopf's ``KopfRunner``) with the bound token of the
+ServiceAccount the chart gives it, so every call it makes goes through the chart's RBAC:
+a missing verb fails the test. The real scheduler allocates the group's ResourceClaim
+through DRA (GPUs published as a driver would), the garbage collector follows the owner
+references. No kubelet runs: the test plays it (pod status, IPs), and a node agent is a
+real HTTP server on 127.0.0.1 behind an agent pod whose status points at it.
+"""
+from __future__ import annotations
+
+import uuid as uuidlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from k8s_lab import Lab, ns_path, pods_path, wait_for
+from operator_fixtures import AgentServer
+from weightcache_operator.config import OperatorConfig
+from weightcache_operator.handlers import build_registry, build_settings
+
+pytestmark = [pytest.mark.timeout(300)]
+
+NODE = "node-1"
+GPUS = [f"GPU-{uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f'engineset-{NODE}-{i}')}" for i in range(4)]
+WC = ("weightcache.io", "v1alpha1")
+
+
+def wc_path(ns: str, plural: str, name: str = "") -> str:
+    return f"/apis/{WC[0]}/{WC[1]}/namespaces/{ns}/{plural}" + (f"/{name}" if name else "")
+
+
+def agent_doc(leases: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    return {"node": NODE, "phase": "Ready", "message": "", "gpuUUIDs": GPUS, "tpSize": 2,
+            "replicas": [{"index": 0, "gpus": GPUS[:2], "phase": "Ready"},
+                         {"index": 1, "gpus": GPUS[2:], "phase": "Ready"}],
+            "ranks": [{"rank": 0, "phase": "Ready", "leases": leases or []}]}
+
+
+def operator_kubeconfig(lab: Lab, path: Path) -> Path:
+    token = lab.bound_token("weightcache-system", "weightcache")
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "lab", "cluster": {"server": lab.server, "certificate-authority": str(lab.ca_path)}}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "lab", "user": "operator"}}],
+    }))
+    return path
+
+
+@pytest.fixture
+def ns(k8s_chart: Lab) -> Iterator[str]:
+    k8s_chart.ensure_device_class()
+    k8s_chart.publish_gpus(NODE, GPUS)
+    name = k8s_chart.namespace("es")
+    yield name
+    k8s_chart.delete_namespace(name)
+
+
+def kubelet(lab: Lab, ns: str, name: str, ip: str) -> dict[str, Any]:
+    """What a kubelet reports for a started pod."""
+    return lab.api.patch(pods_path(ns, name) + "/status", {"status": {
+        "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}],
+        "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}]}})
+
+
+def test_engineset_on_a_real_api_server_with_the_charts_rbac(k8s_chart: Lab, ns: str, tmp_path: Path) -> None:
+    lab = k8s_chart
+    with AgentServer(agent_doc()) as agent:
+        # The agent pod: controlled by another object, so the DaemonSet controller leaves it be.
+        holder = lab.api.create(ns_path(ns, "configmaps"), {"metadata": {"name": "agent-holder"}})
+        lab.api.create(pods_path(ns), {
+            "metadata": {"name": "qwen-agent-x", "labels": {"app.kubernetes.io/name": "weightcache-agent",
+                                                             "weightcache.io/cache": "qwen"},
+                         "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "agent-holder",
+                                              "uid": holder["metadata"]["uid"], "controller": True}]},
+            "spec": {"nodeName": NODE, "containers": [{"name": "agent", "image": "agent:1", "ports": [
+                {"name": "http", "containerPort": agent.port}]}]}})
+        kubelet(lab, ns, "qwen-agent-x", "127.0.0.1")
+
+        registry, _ = build_registry(OperatorConfig(poll_interval=1.0, agent_http_timeout=1.0),
+                                     kubeconfig=str(operator_kubeconfig(lab, tmp_path / "kubeconfig")))
+        with KopfRunner(["run", "--standalone", "--namespace", ns], registry=registry,
+                        settings=build_settings(), timeout=60) as runner:
+            # No node matches the cache's selector: the DaemonSet makes no pods of its own.
+            lab.api.create(wc_path(ns, "weightcaches"), {
+                "apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": "qwen"},
+                "spec": {"model": {"path": "qwen"}, "parallelism": {"tensor": 2}, "gpusPerNode": 4,
+                         "nodeSelector": {"weightcache.io/test": "none"}}})
+            lab.api.create(wc_path(ns, "enginesets"), {
+                "apiVersion": "weightcache.io/v1alpha1", "kind": "EngineSet", "metadata": {"name": "chat"},
+                "spec": {"cacheRef": {"name": "qwen"}, "replicas": 1, "standbys": 1, "template": {
+                    "spec": {"containers": [{"name": "engine", "image": "engine:1",
+                                             "resources": {"limits": {"nvidia.com/gpu": 2}}}]}}}})
+
+            # The agents' identity, made by the operator with nothing but `bind` on its role.
+            wait_for(lambda: lab.api.get_or_none(ns_path(ns, "rolebindings", "weightcache-agent",
+                                                         group="rbac.authorization.k8s.io")),
+                     timeout=60, what="the agents' RoleBinding")
+            ds = wait_for(lambda: lab.api.get_or_none(f"/apis/apps/v1/namespaces/{ns}/daemonsets/qwen-agent"),
+                          timeout=60, what="the agent DaemonSet")
+            assert ds["spec"]["template"]["spec"]["serviceAccountName"] == "weightcache-agent"
+
+            # The scheduler allocates the group's claim (exactly the pinned GPUs) and places both pods.
+            def scheduled() -> list[str] | None:
+                pods = [lab.api.get_or_none(pods_path(ns, n)) for n in ("chat-0-0", "chat-0-1")]
+                nodes = [p and p["spec"].get("nodeName") for p in pods]
+                return nodes if all(nodes) else None
+            assert wait_for(scheduled, timeout=90, what="both engine pods scheduled") == [NODE, NODE]
+            claim = lab.api.get(ns_path(ns, "resourceclaims", "chat-0", group="resource.k8s.io"))
+            results = claim["status"]["allocation"]["devices"]["results"]
+            slices = lab.api.get("/apis/resource.k8s.io/v1/resourceslices")["items"]
+            uuid_of = {(s["spec"]["pool"]["name"], d["name"]): d["attributes"]["uuid"]["string"]
+                       for s in slices for d in s["spec"]["devices"]}
+            assert sorted(uuid_of[(r["pool"], r["device"])] for r in results) == sorted(GPUS[:2])
+
+            # The pods start; the agent holds chat-0-0 as primary: the operator labels it serving.
+            pods = {n: kubelet(lab, ns, n, ip) for n, ip in (("chat-0-0", "10.0.0.10"), ("chat-0-1", "10.0.0.11"))}
+            agent.doc = agent_doc([
+                {"role": "primary", "group": f"{ns}/chat-0", "pod": {
+                    "namespace": ns, "name": "chat-0-0", "uid": pods["chat-0-0"]["metadata"]["uid"]}},
+                {"role": "standby", "group": f"{ns}/chat-0", "pod": {
+                    "namespace": ns, "name": "chat-0-1", "uid": pods["chat-0-1"]["metadata"]["uid"]}}])
+            wait_for(lambda: lab.api.get(pods_path(ns, "chat-0-0"))["metadata"]["labels"]
+                     .get("weightcache.io/serving") == "true", timeout=60, what="chat-0-0 serving")
+            es = wait_for(lambda: (e := lab.api.get(wc_path(ns, "enginesets", "chat")))
+                          .get("status", {}).get("servingGroups") == 1 and e, timeout=60, what="status")
+            assert es["status"]["groups"][0]["primary"] == "chat-0-0"
+            ready = {c["type"]: c for c in es["status"]["conditions"]}["Ready"]
+            assert ready["status"] == "True", ready
+            # The Service's endpoints: the serving pod only.
+            def endpoints() -> set[str] | None:
+                slices = lab.api.get(f"/apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices",
+                                     labelSelector="kubernetes.io/service-name=chat")["items"]
+                ips = {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
+                return ips or None
+            assert wait_for(endpoints, timeout=60, what="the Service's endpoints") == {"10.0.0.10"}
+
+            # Deleting the EngineSet: kopf lets it go, the garbage collector takes the children.
+            lab.api.delete(wc_path(ns, "enginesets", "chat"))
+            wait_for(lambda: lab.api.get_or_none(ns_path(ns, "services", "chat")) is None, timeout=60,
+                     what="the Service collected")
+            for n in ("chat-0-0", "chat-0-1"):
+                wait_for(lambda n=n: (p := lab.api.get_or_none(pods_path(ns, n))) is None
+                         or p["metadata"].get("deletionTimestamp"), timeout=60, what=f"{n} collected")
+            assert lab.api.get_or_none(wc_path(ns, "weightcaches", "qwen")) is not None  # never the cache
+        assert runner.exception is None
