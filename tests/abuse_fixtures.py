@@ -6,21 +6,18 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
-from agent_fixtures import fd_count, wait_for
+from agent_fixtures import AgentProcess, fd_count, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
-from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.checkpoint import open_checkpoint
-from weightcache_agent.protocol import agent_status
 from weightcache_agent.testing.synthetic import skeleton_module
 
 
-class LoggedAgent:
+class LoggedAgent(AgentProcess):
     """`weightcache agent --socket` with stdout and stderr in a file (a pipe nobody reads would fill and block it)."""
 
     def __init__(self, model: str, sock: str, log_path: str, *extra: str):
@@ -31,22 +28,8 @@ class LoggedAgent:
              "--progress", "never", *extra],
             stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log)
 
-    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.log()[-2000:]}")
-            try:
-                status = agent_status(self.socket)
-                if status["phase"] == "ready":
-                    return status
-            except AgentUnavailable:
-                pass
-            time.sleep(0.02)
-        raise AssertionError("agent did not become ready")
-
-    def status(self) -> dict[str, Any]:
-        return agent_status(self.socket)
+    def exit_output(self) -> str:
+        return self.log()[-2000:]
 
     def log(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -63,15 +46,9 @@ class LoggedAgent:
         raise AssertionError("no VmRSS")
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        code = super().stop()
         self._log.close()
-        return self.proc.returncode
+        return code
 
 
 def raw(path: str, timeout: float = 5.0) -> socket.socket:
