@@ -29,7 +29,7 @@ class AgentProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.proc.stderr.read()}")
+                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.exit_output()}")
             try:
                 status = agent_status(self.socket)
                 if status["phase"] == "ready":
@@ -41,6 +41,9 @@ class AgentProcess:
 
     def status(self) -> dict[str, Any]:
         return agent_status(self.socket)
+
+    def exit_output(self) -> str:
+        return self.proc.stderr.read()
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -96,6 +96,8 @@ BAD_BODIES = [
     (b'[1, 2, 3]', 400, "JSON object"),
     (b'{"tokens": [1, 2', 400, "not valid JSON"),
     (b'\xff\xfe', 400, "not valid JSON"),
+    (b'{"tokens": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, "nests too deeply"),
+    (b'{"tokens": [' + b"9" * 5000 + b"]}", 400, "not acceptable JSON"),
 ]
 
 
@@ -104,6 +106,13 @@ def test_bad_input_is_refused_with_a_message(cluster, body, code, message):
     status, reply = cluster.engine.post("/generate", body)
     assert status == code, reply
     assert message in reply["error"]
+
+
+def test_engine_http_has_a_read_timeout_and_a_real_backlog():
+    from weightcache_agent.engine.server import EngineServer, _Handler
+
+    assert _Handler.timeout is not None and _Handler.timeout <= 60
+    assert EngineServer.request_queue_size >= 128
 
 
 def test_engine_keeps_serving_after_bad_requests(cluster):

@@ -184,6 +184,16 @@ def test_operator_settings_shape_the_pods() -> None:
     assert {v["name"]: v for v in ps["volumes"]}["models"]["hostPath"]["path"] == "/data/models"
 
 
+
+def test_agents_bind_the_pod_ip_and_take_the_socket_group() -> None:
+    env = {e["name"]: e for e in container(render(LLAMA_SPEC, CONFIG))["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert "WEIGHTCACHE_SOCKET_GROUP" not in env  # default: root engines only
+    grouped = {e["name"]: e for e in container(render(LLAMA_SPEC, CONFIG.replace(agent_socket_group="2000")))["env"]}
+    assert grouped["WEIGHTCACHE_SOCKET_GROUP"]["value"] == "2000"
+    assert OperatorConfig.from_env({"WEIGHTCACHE_AGENT_SOCKET_GROUP": " engines "}).agent_socket_group == "engines"
+
+
 def test_spec_hash_changes_exactly_when_the_rendering_does() -> None:
     a = render(LLAMA_SPEC)
     reordered = dict(reversed(list(copy.deepcopy(LLAMA_SPEC).items())))

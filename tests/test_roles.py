@@ -42,7 +42,9 @@ def node(tmp_path_factory):
     proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", socket_dir,
                              "--backend", "cpu", "--tp-size", "1", "--replicas", "2", "--http-port", "0",
                              "--http-host", "127.0.0.1", "--port-file", port_file,
-                             "--control-token-file", str(token_file)],
+                             "--control-token-file", str(token_file),
+                             # nobody's group may connect: switchover's own privilege check is what is tested
+                             "--socket-group", str(nobody_gid())],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_for(lambda: os.path.exists(port_file) or proc.poll() is not None, 30, "the HTTP port")
@@ -78,6 +80,13 @@ def engine(model: str, socket_dir: str, device: str, pod: str, role: str = "auto
                 os.environ.pop(k)
             else:
                 os.environ[k] = v
+
+
+def nobody_gid() -> int:
+    try:
+        return pwd.getpwnam("nobody").pw_gid
+    except KeyError:
+        return 65534
 
 
 def switchover(socket: str, group: str, to_pod: str, as_user: str | None = None) -> dict:

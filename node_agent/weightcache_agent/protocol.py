@@ -18,10 +18,17 @@ Messages (client -> agent):
       (privileged peers only): that standby is promoted and the group's primary demoted in one
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
       to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
-  {"type": "rejoin", "pid", "role", "group", "fields", "fingerprint", "layout_hash", "arenas"} + fds
+  {"type": "rejoin", "role", "group", "pod", "token", "fields", "fingerprint", "layout_hash", "arenas"} + fds
       -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
-      offers the arena it still maps; a restarted agent adopts it instead of reading the disk.
+      offers the arena it still maps; a restarted agent adopts it instead of reading the disk --
+      only when `token` is the `rejoin_token` its predecessor put in this engine's manifest.
 Errors: {"type": "error", "code": str, "message": str, ...}.
+An attach's request may carry "sharding_identity" (the plan identity of an engine's own rules
+file): the agent compares identities and never opens a path a client names. A "pid" in a
+request is informational; the agent takes the peer's pid from the kernel.
+
+The agent reads a request under one deadline for the whole frame and accepts fds only on
+its first bytes (`MAX_REQUEST_FDS`); deep nesting and over-long integers are protocol errors.
 
 `connect` and `agent_status` are the smallest client: the status request that the CLI,
 the node supervisor and the engine all make, with nothing of attach behind it.
@@ -33,6 +40,7 @@ import json
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 from .errors import AgentUnavailable, ProtocolError, WeightCacheError
@@ -42,7 +50,10 @@ PROTOCOL_VERSION = 2  # 2: manifest forms table, file signature in attach reques
 HEADER = struct.Struct("!4sHHI")
 MAX_REQUEST_BYTES = 1 << 20  # what the agent accepts from a client
 MAX_REPLY_BYTES = 256 << 20  # what a client accepts from the agent (manifests of 100k+ tensors)
-MAX_FDS = 64
+MAX_FDS = 64  # what a client accepts with a manifest
+# What the agent accepts with a request: only a `rejoin` carries fds (one per arena), and
+# only on the first segment of its frame; anything more is closed by the kernel or by us.
+MAX_REQUEST_FDS = 4
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
@@ -61,13 +72,21 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | 
         sock.sendall(header + body)
 
 
-def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
-    """Read one frame. Returns (message, fds); the caller owns the fds."""
+def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
+                 deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """Read one frame. Returns (message, fds); the caller owns the fds.
+
+    fds are taken only with the first bytes of a frame: a peer that attaches more to later
+    segments gets a `ProtocolError` and every fd it sent is closed. `deadline` (a
+    `time.monotonic()` value) bounds the whole frame, however slowly its bytes arrive;
+    past it, `socket.timeout` is raised.
+    """
     header = bytearray()
     fds: list[int] = []
     try:
         while len(header) < HEADER.size:
-            data, new_fds = _recv_with_fds(sock, HEADER.size - len(header), max_fds)
+            _arm(sock, deadline)
+            data, new_fds = _recv_with_fds(sock, HEADER.size - len(header), max_fds if not header else 0)
             fds += new_fds
             if not data:
                 if header:
@@ -81,18 +100,41 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0) -> tuple
             raise ProtocolError(f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})")
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
-        body = _recv_exact(sock, length)
-        try:
-            message = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ProtocolError(f"frame body is not JSON: {e}") from None
-        if not isinstance(message, dict) or not isinstance(message.get("type"), str):
-            raise ProtocolError("frame body is not a JSON object with a string 'type'")
+        body = _recv_exact(sock, length, deadline)
+        message = decode_body(body)
         return message, fds
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not.
+
+    Nesting too deep for the parser and integers too long to convert are refused like any
+    other malformed body: a peer must not be able to turn a frame into a traceback.
+    """
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"frame body is not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("frame body nests too deeply") from None
+    except ValueError as e:  # integers beyond the interpreter's digit limit
+        raise ProtocolError(f"frame body is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+    if not isinstance(message, dict) or not isinstance(message.get("type"), str):
+        raise ProtocolError("frame body is not a JSON object with a string 'type'")
+    return message
+
+
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    if deadline is None:
+        return
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise socket.timeout("request deadline passed")
+    sock.settimeout(left)
 
 
 def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[bytes, list[int]]:
@@ -117,16 +159,31 @@ def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[byte
     return data, received
 
 
-def _recv_exact(sock: socket.socket, length: int) -> bytes:
+def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:
     buf = bytearray(length)
     view = memoryview(buf)
     got = 0
+    space = socket.CMSG_SPACE(struct.calcsize("i"))
     while got < length:
-        n = sock.recv_into(view[got:])
+        _arm(sock, deadline)
+        # recvmsg_into, not recv_into: fds riding on body bytes must be seen to be closed.
+        n, ancdata, flags, _addr = sock.recvmsg_into([view[got:]], space)
+        if ancdata or flags & socket.MSG_CTRUNC:
+            _close_ancillary(ancdata)
+            raise ProtocolError("peer sent file descriptors inside a frame body")
         if n == 0:
             raise ProtocolError(f"connection closed inside a frame body ({got} of {length} bytes)")
         got += n
     return bytes(buf)
+
+
+def _close_ancillary(ancdata: list[tuple[int, int, bytes]]) -> None:
+    fds = array.array("i")
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[: len(payload) - (len(payload) % fds.itemsize)])
+    for fd in fds:
+        os.close(fd)
 
 
 def error_message(code: str, message: str, **extra: Any) -> dict[str, Any]:

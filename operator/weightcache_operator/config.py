@@ -46,6 +46,10 @@ class OperatorConfig:
     # privileged by default. An admin can turn that off where the runtime already
     # exposes the GPUs (e.g. CDI) and the agent needs no extra device access.
     agent_privileged: bool = True
+    # Group (name or gid, as the agent's node sees it) whose members may use the agent's
+    # sockets besides root: give it to non-root engine pods as a supplemental group.
+    # Empty means none: only root engines can attach.
+    agent_socket_group: str = ""
     # Agents hold the weights engines serve from: evicting one costs minutes of
     # reload, so they run at node-critical priority. Empty means no priority class.
     priority_class: str = DEFAULT_PRIORITY_CLASS
@@ -81,6 +85,8 @@ class OperatorConfig:
             kwargs["agent_image_pull_secrets"] = tuple(s.strip() for s in v.split(",") if s.strip())
         if (v := get("AGENT_PRIVILEGED")) is not None:
             kwargs["agent_privileged"] = _env_bool(v)
+        if (v := get("AGENT_SOCKET_GROUP")) is not None:
+            kwargs["agent_socket_group"] = v.strip()
         if (v := get("PRIORITY_CLASS")) is not None:
             kwargs["priority_class"] = v.strip()
         if (v := get("RUNTIME_CLASS")) is not None:

@@ -49,7 +49,6 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL
 from .agents import AgentStatusError, fetch_all, select_agent_pods
 from .conditions import DEGRADED, READY, Desired, merge, now_rfc3339, transitions
 from .config import AGENT_HTTP_PORT, OperatorConfig
@@ -762,28 +761,3 @@ class EngineSetReconciler:
         else:
             degraded = Desired(DEGRADED, "False", "AsExpected", "every group is placed")
         return [ready, degraded]
-
-
-def register(registry: kopf.OperatorRegistry, reconciler: EngineSetReconciler, config: OperatorConfig) -> None:
-    """The EngineSet handlers, on the operator's registry (``handlers.build_registry`` calls this)."""
-    resource = (API_GROUP, API_VERSION, ENGINESET_PLURAL)
-
-    async def on_change(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        try:
-            await reconciler.reconcile(body, memo, logger)
-        except ApiException as e:
-            raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=5) from e
-
-    kopf.on.resume(*resource, registry=registry, id="engineset-resume")(on_change)
-    kopf.on.create(*resource, registry=registry, id="engineset-create")(on_change)
-    kopf.on.update(*resource, registry=registry, id="engineset-update", field="spec")(on_change)
-
-    async def poll(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        try:
-            await reconciler.reconcile(body, memo, logger)
-        except ApiException as e:
-            logger.warning(f"{ENGINESET_KIND} reconcile failed, retrying in {config.poll_interval}s: "
-                           f"API error {e.status}: {e.reason}")
-
-    kopf.timer(*resource, registry=registry, id="engineset-poll", interval=config.poll_interval,
-               initial_delay=min(5.0, config.poll_interval))(poll)

@@ -35,19 +35,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import API_GROUP, API_VERSION, PLURAL
+from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
 from .agents import fetch_all, select_agent_pods
 from .conditions import Desired, merge, transitions
 from .control import render_control_secret
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset import EngineSetReconciler
-from .engineset import register as register_engineset
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
     ANNOTATION_SPEC_HASH,
@@ -344,29 +343,42 @@ def build_registry(
         if reconciler.api is not None:
             reconciler.api.close()
 
+    register_level_based(registry, resource, reconciler.reconcile, config,
+                         ("reconcile-resume", "reconcile-create", "reconcile-update", "poll"), KIND)
+    register_level_based(registry, (API_GROUP, API_VERSION, ENGINESET_PLURAL), engines.reconcile, config,
+                         ("engineset-resume", "engineset-create", "engineset-update", "engineset-poll"),
+                         ENGINESET_KIND)
+    return registry, reconciler
+
+
+def register_level_based(registry: kopf.OperatorRegistry, resource: tuple[str, str, str],
+                         reconcile: Callable[..., Awaitable[None]], config: OperatorConfig,
+                         ids: tuple[str, str, str, str], kind: str) -> None:
+    """One level-based reconcile on every trigger: resume, create, a spec change, and a timer."""
+
     async def on_change(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
         try:
-            await reconciler.reconcile(body, memo, logger)
+            await reconcile(body, memo, logger)
         except ApiException as e:
             # Conflicts and transient API errors: retry soon from a fresh read.
             raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=5) from e
 
-    kopf.on.resume(*resource, registry=registry, id="reconcile-resume")(on_change)
-    kopf.on.create(*resource, registry=registry, id="reconcile-create")(on_change)
-    kopf.on.update(*resource, registry=registry, id="reconcile-update", field="spec")(on_change)
+    resume, create, update, timer = ids
+    kopf.on.resume(*resource, registry=registry, id=resume)(on_change)
+    kopf.on.create(*resource, registry=registry, id=create)(on_change)
+    kopf.on.update(*resource, registry=registry, id=update, field="spec")(on_change)
 
     async def poll(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
         try:
-            await reconciler.reconcile(body, memo, logger)
+            await reconcile(body, memo, logger)
         except ApiException as e:
             # The next tick retries; a timer error must not stop the timer.
-            logger.warning(f"reconcile failed, retrying in {config.poll_interval}s: API error {e.status}: {e.reason}")
+            logger.warning(f"{kind} reconcile failed, retrying in {config.poll_interval}s: "
+                           f"API error {e.status}: {e.reason}")
 
     kopf.timer(
-        *resource, registry=registry, id="poll",
+        *resource, registry=registry, id=timer,
         interval=config.poll_interval,
         # create/resume reconcile right away; the first poll can wait a little.
         initial_delay=min(5.0, config.poll_interval),
     )(poll)
-    register_engineset(registry, engines, config)
-    return registry, reconciler

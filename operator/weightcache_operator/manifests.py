@@ -259,6 +259,8 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         "args": args,
         "env": [
             {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+            # The agent's HTTP endpoints listen on the pod's IP only, not on every address.
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             # The agent is not given GPUs through the device plugin (that would take
             # them away from engines); the NVIDIA runtime exposes all of them.
             {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"},
@@ -269,6 +271,8 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         "securityContext": security,
         **_probes(),
     }
+    if config.agent_socket_group:
+        container["env"].append({"name": "WEIGHTCACHE_SOCKET_GROUP", "value": config.agent_socket_group})
     if cs.agent_resources:
         container["resources"] = dict(cs.agent_resources)
 

@@ -36,6 +36,8 @@ from ..spec import CacheSpec
 log = logging.getLogger(__name__)
 
 MODES = ("client", "daemon", "off")
+# What a manifest reply must carry, checked before any of it is used: garbage is a ProtocolError.
+_MANIFEST_MEMBERS = (("fingerprint", str), ("fields", dict), ("bytes", int), ("layout_hash", str), ("role", str))
 ENV_SOCKET, ENV_SOCKET_DIR, ENV_DEVICES = "WEIGHTCACHE_SOCKET", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES"
 ENV_ROLE, ENV_GROUP = "WEIGHTCACHE_ROLE", "WEIGHTCACHE_GROUP"
 ENV_POD = {"namespace": "WEIGHTCACHE_POD_NAMESPACE", "name": "WEIGHTCACHE_POD_NAME", "uid": "WEIGHTCACHE_POD_UID"}
@@ -57,7 +59,8 @@ class Attachment:
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
                  on_promote: Callable[["Attachment"], None] | None = None,
-                 on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None):
+                 on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None,
+                 rejoin_token: str | None = None):
         self.source = source  # "agent" or "disk"
         self.fingerprint = fingerprint
         self.fields = fields
@@ -74,6 +77,7 @@ class Attachment:
         self._fds = fds or []
         self._arenas = arenas or []
         self._on_promote = on_promote
+        self._rejoin_token = rejoin_token  # proves to a restarted agent that this engine held a lease
         self._on_demote = on_demote
         self.pod = pod
         self._closed = threading.Event()
@@ -125,7 +129,7 @@ class Attachment:
             try:
                 conn.settimeout(30)
                 protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
-                                             "pod": self.pod,
+                                             "pod": self.pod, "token": self._rejoin_token,
                                              "fields": self.fields, "fingerprint": self.fingerprint,
                                              "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
                 reply, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
@@ -180,8 +184,9 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
-    "off" loads from disk in-process with the agent's loader. With `fallback=True`, a
-    missing or mismatched agent means a disk load instead of an error.
+    "off" loads from disk in-process with the agent's loader. With `fallback=True`, an
+    agent that is missing, mismatched, silent, gone mid-answer or answering garbage means a
+    disk load (with the reason logged) instead of an error.
 
     socket: the agent's socket; default `$WEIGHTCACHE_SOCKET`, else the socket of this
     rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's entry of
@@ -201,10 +206,11 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         else:
             conn = protocol.connect(socket)
         return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote)
-    except (AgentUnavailable, FingerprintMismatch) as e:
+    except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
-        log.warning("%s; loading from disk instead (fallback=True)", e)
+        log.warning("attach through %s failed (%s: %s); loading from disk instead (fallback=True)", socket,
+                    type(e).__name__, e or "no detail")
         return _attach_from_disk(module, spec, strict)
 
 
@@ -274,8 +280,11 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
         protocol.raise_on_error(reply, conn.getpeername())
-        if reply["type"] != "manifest" or len(fds) != len(reply["arenas"]):
-            raise ProtocolError(f"expected a manifest with {len(reply.get('arenas', []))} fds, got {reply['type']!r} with {len(fds)}")
+        arenas = reply.get("arenas")
+        if reply["type"] != "manifest" or not isinstance(arenas, list) or len(fds) != len(arenas) or not all(
+                isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
+            raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
+                                f"{len(fds)} fd(s)")
         tensors = _bind_over(reply, fds, module, strict)
         conn.settimeout(None)
     except BaseException:
@@ -287,7 +296,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote,
-                      on_demote=on_demote, pod=pod)
+                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"))
 
 
 def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,

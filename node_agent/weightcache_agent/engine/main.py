@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 
@@ -64,6 +63,7 @@ def main(argv: list[str]) -> int:
 
     import torch  # after flag checks: a typo costs no torch import
 
+    from ..serve.stop import StopFlag
     from .server import Engine, EngineOptions, make_server
 
     if args.threads:
@@ -77,9 +77,7 @@ def main(argv: list[str]) -> int:
         print(f"weightcache engine: {e}", file=sys.stderr)
         return 2
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag().on_signals()  # a self-pipe: safe to raise from a signal handler, unlike Event.set
     try:
         server = make_server(engine, args.host, args.port)
     except OSError as e:

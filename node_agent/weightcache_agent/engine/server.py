@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from ..spec import CacheSpec
 log = logging.getLogger("weightcache.engine")
 
 MAX_BODY_BYTES = 1 << 20
+REQUEST_TIMEOUT = 30.0  # seconds a client may leave a request unfinished
 ROLES = ("primary", "standby", "auto")
 
 
@@ -237,6 +239,10 @@ class Engine:
             request = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BadRequest(f"body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise BadRequest("body nests too deeply") from None
+        except ValueError as e:  # an integer beyond the interpreter's digit limit
+            raise BadRequest(f"body is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
         if not isinstance(request, dict):
             raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
         unknown = sorted(set(request) - {"tokens", "max_tokens"})
@@ -288,6 +294,7 @@ class Engine:
 
 class _Handler(BaseHTTPRequestHandler):
     server_version = "weightcache-engine"
+    timeout = REQUEST_TIMEOUT  # a client that stops sending mid-request is dropped, not waited on forever
     protocol_version = "HTTP/1.1"  # keep-alive: pollers and load balancers reuse connections
     engine: Engine  # set on the subclass made by make_server
 
@@ -319,12 +326,18 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             body = self._read_body()
-            self._reply(200, self.engine.generate(body))
+            result = self.engine.generate(body)
         except BadRequest as e:
             self._reply(e.status, {"error": str(e)})
+            return
+        except (ConnectionError, TimeoutError):  # the client went away or stalled mid-body
+            self.close_connection = True
+            return
         except Exception as e:  # a bug must not take the server down; it is logged with its traceback
             log.exception("generate failed")
             self._reply(500, {"error": f"internal error: {type(e).__name__}: {e}"})
+            return
+        self._reply(200, result)
 
     def _read_body(self) -> bytes:
         length = self.headers.get("Content-Length")
@@ -370,6 +383,15 @@ class _Handler(BaseHTTPRequestHandler):
 class EngineServer(ThreadingHTTPServer):
     daemon_threads = True  # a hung client must not block shutdown
     allow_reuse_address = True
+    request_queue_size = 1024  # the listen backlog: bursts of clients queue instead of being refused
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hung up or timed out mid-request is routine, not a traceback.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, exc)
+            return
+        log.exception("request from %s failed", client_address)
 
 
 def make_server(engine: Engine, host: str = "127.0.0.1", port: int = 0) -> EngineServer:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,11 +98,28 @@ class Checkpoint:
         return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
+def open_regular(path: str) -> Any:
+    """`path` opened for binary reading, or `CheckpointError` when it is not a regular file.
+
+    Opened non-blocking first: a FIFO or device in place of a shard is refused at once
+    instead of hanging the load on its first read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return os.fdopen(fd, "rb")
+
+
 def read_header(path: str) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
     """Parse and check one safetensors file's header; return (raw header, records, metadata)."""
     try:
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
@@ -190,7 +208,7 @@ def _identity(directory: str, headers: list[tuple[str, int, bytes]]) -> str:
         digest.update(f"{fname}\0{size}\0{len(raw)}\0".encode())
         digest.update(raw)
     try:
-        with open(os.path.join(directory, "config.json"), "rb") as f:
+        with open_regular(os.path.join(directory, "config.json")) as f:
             digest.update(b"config.json\0" + f.read())
     except FileNotFoundError:
         pass
@@ -205,7 +223,7 @@ def content_identity(directory: str) -> str:
     for fname in files:
         path = os.path.join(directory, fname)
         try:
-            with open(path, "rb") as f:
+            with open_regular(path) as f:
                 (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
                 headers.append((fname, os.fstat(f.fileno()).st_size, f.read(min(length, MAX_HEADER_BYTES))))
         except OSError as e:
@@ -270,7 +288,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
 
 def _read_index(index_path: str) -> dict[str, str]:
     try:
-        with open(index_path) as f:
+        with open_regular(index_path) as f:
             index = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{index_path}: cannot read index: {e}") from None
@@ -285,7 +303,7 @@ def _read_config(directory: str) -> dict[str, Any] | None:
     if not os.path.exists(path):
         return None
     try:
-        with open(path) as f:
+        with open_regular(path) as f:
             config = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{path}: cannot read config: {e}") from None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from typing import Any
 
 import torch
@@ -42,7 +43,9 @@ def environment_fields(device: str | None) -> dict[str, Any]:
     return fields
 
 
-def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | None = "cpu") -> dict[str, Any]:
+def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | None = "cpu",
+                       sharding_identity: str | None = None) -> dict[str, Any]:
+    """The fields of `spec` over `checkpoint`; `sharding_identity`, when given, stands in for resolving the plan."""
     from .fp8 import checkpoint_quantization
     from .sharding import plan_identity
 
@@ -61,11 +64,21 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
         "quantization_config": _short_hash(quant_config),
         "dtype": resolved_dtype(spec, checkpoint),
         # the resolved plan (preset name, or hash of the YAML rules), not the flag: same flag, other file
-        "sharding": plan_identity(checkpoint, spec.sharding, spec.tp_size),
+        "sharding": sharding_identity or plan_identity(checkpoint, spec.sharding, spec.tp_size),
         "layout_version": LAYOUT_VERSION,
     }
     fields.update(environment_fields(device))
     return fields
+
+
+# What `sharding.ShardingPlan.identity` can be: an engine's claim is checked against this shape only.
+PLAN_IDENTITY_RE = re.compile(r"unsharded|preset:[a-z_]{1,32}|rules:[0-9a-f]{16}(\+preset:[a-z_]{1,32})?")
+
+
+def is_preset(sharding: str) -> bool:
+    from .sharding import PRESETS
+
+    return isinstance(sharding, str) and sharding in PRESETS
 
 
 class RevisionRequired(Exception):
@@ -83,6 +96,12 @@ def engine_request(spec: CacheSpec, with_revision: bool = False) -> dict[str, An
     from .checkpoint import content_identity, file_signature
 
     request = {"spec": spec.to_json(), "files": file_signature(spec.model), "torch": environment_fields(None)["torch"]}
+    if spec.sharding is not None and not is_preset(spec.sharding):
+        # A rules file is the engine's to read: the agent compares plan identities, it never opens a client's path.
+        from .checkpoint import open_checkpoint
+        from .sharding import plan_identity
+
+        request["sharding_identity"] = plan_identity(open_checkpoint(spec.model), spec.sharding, spec.tp_size)
     if with_revision:
         request["revision"] = content_identity(spec.model)
     return request
@@ -104,7 +123,14 @@ def fields_for_request(request: dict[str, Any], checkpoint: Checkpoint) -> dict[
         revision = checkpoint.revision
     known = CacheSpec.__dataclass_fields__
     spec = CacheSpec(**{k: v for k, v in request["spec"].items() if k in known})
-    fields = fingerprint_fields(spec, checkpoint, device=None)
+    identity = None
+    if spec.sharding is not None and not is_preset(spec.sharding):
+        # The client named a rules file: take the plan identity it computed, never the path.
+        identity = request.get("sharding_identity")
+        if not isinstance(identity, str) or not PLAN_IDENTITY_RE.fullmatch(identity):
+            raise ValueError("the spec names a sharding rules file: send its plan identity as sharding_identity "
+                             "(the agent never reads a client's files)")
+    fields = fingerprint_fields(spec, checkpoint, device=None, sharding_identity=identity)
     fields.update(model=os.path.basename(str(spec.model).rstrip("/")), revision=revision, torch=request["torch"])
     return fields
 

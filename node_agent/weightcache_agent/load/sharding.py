@@ -165,16 +165,38 @@ def plan_identity(checkpoint: Checkpoint, sharding: str | None, tp_size: int) ->
     return resolve_plan(checkpoint, sharding).identity
 
 
+MAX_RULES_BYTES = 256 << 10  # a rules file is a few dozen lines
+
+
 def _load_rules_file(checkpoint: Checkpoint, path: str) -> ShardingPlan:
-    """YAML: `{preset: NAME|none (optional), rules: [{pattern, mode, dim?}, ...]}`."""
+    """YAML: `{preset: NAME|none (optional), rules: [{pattern, mode, dim?}, ...]}`.
+
+    Only ever the operator-given file of this process (or an engine's own): still read with
+    a size cap, from a regular file only, and without YAML aliases, so a small file cannot
+    expand into gigabytes.
+    """
+    import stat
+
     import yaml
 
-    with open(path, "rb") as f:
-        raw = f.read()
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read the sharding rules: {e.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path}: sharding rules must be a regular file")
+        raw = f.read(MAX_RULES_BYTES + 1)
+    if len(raw) > MAX_RULES_BYTES:
+        raise CheckpointError(f"{path}: sharding rules larger than {MAX_RULES_BYTES} bytes")
+    try:
+        for event in yaml.parse(raw, Loader=yaml.SafeLoader):
+            if isinstance(event, yaml.AliasEvent):
+                raise CheckpointError(f"{path}: YAML aliases are not allowed in sharding rules")
         doc = yaml.safe_load(raw)
     except yaml.YAMLError as e:
-        raise CheckpointError(f"{path}: not valid YAML: {e}") from None
+        raise CheckpointError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("rules", []), list):
         raise CheckpointError(f"{path}: expected a mapping with a 'rules' list of {{pattern, mode, dim}}")
     rules = []

@@ -5,7 +5,9 @@
 promotes a standby when its primary's connection drops. `supervisor` runs one worker per
 GPU on a node and serves HTTP health, status and Prometheus metrics (`agent_http`);
 `process_group` starts and stops child processes; `agent_main` and `status_cli` are the
-`weightcache agent` and `weightcache status` entry points.
+`weightcache agent` and `weightcache status` entry points. `access` decides who may use a
+socket (modes, peer credentials, the private state file); `stop` is the signal-safe stop
+request every main loop waits on (the engine's too).
 
 May import: the base modules, `arena` and `load`. Never `client`, `engine` or `testing`
 (the status request it shares with engines is in `protocol`).

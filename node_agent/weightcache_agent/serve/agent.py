@@ -1,22 +1,36 @@
 """The agent: hold one loaded cache and serve it to engines over a Unix socket.
 
 Flow: `bind()` claims the socket path (a lock file makes two agents on one path
-impossible; a stale socket from a dead agent is replaced), `start()` accepts
-connections on a thread, `load()` runs the cold path. Each connection gets a thread:
+impossible; a stale socket from a dead agent is replaced, a live one never), `start()`
+accepts connections on a thread, `load()` runs the cold path. Each connection gets a
+thread: its peer's credentials are checked against the socket policy (serve/access.py);
 status requests are answered at once; an attach waits until the cache is ready, checks
 the engine's fingerprint fields, and replies with the manifest plus the arena fd. From
 then on the connection *is* the lease: when it drops, the agent knows the engine is
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
 its own socket at once. A bad client -- garbage, wrong version, oversize frame, silence,
-death mid-handshake -- is logged and dropped; nobody else notices.
+a frame trickled byte by byte, death mid-handshake -- is logged and dropped within one
+request deadline; nobody else notices.
+
+Re-adoption is where a client could otherwise hand the agent bytes of its own, so it takes
+proof. Each lease gets a random token in its manifest reply; the agent records the token's
+hash with the peer's uid and pid in its state file (0600, written durably before the
+manifest goes out). A restarted agent reads that file once, and adopts an arena only from
+a peer that presents a recorded token with matching credentials, offering exactly one fd
+of exactly the layout's size. Anyone else's rejoin is refused without saying why.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import hashlib
+import hmac
 import itertools
 import json
 import logging
 import os
+import re
+import secrets
 import socket
 import threading
 import time
@@ -31,10 +45,15 @@ from ..arena.devices import Device
 from ..load.plan import LoadProgress
 from ..load.loader import LoadedCache, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
 from ..spec import CacheSpec
+from .access import AccessError, SocketPolicy, bind_socket, check_socket_path, peer_groups, prepare_dir, read_private, write_private
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 10.0  # seconds for a connection's whole first request, however slowly it arrives
+MAX_LEASES = 256  # engines per GPU; far above any real deployment, low enough to keep status small
+MAX_PENDING = 64  # connections still in their first request; past it the oldest is dropped
+GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,252}")  # Kubernetes-style names, bounded
+MAX_TOKEN_CHARS = 128
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
 ROLES = ("primary", "standby", "auto")
 PROMOTE_ACK_TIMEOUT = 1.0  # an engine answers `promote` with `promoted` once it serves as primary
@@ -46,9 +65,11 @@ MAX_POD_FIELD = 253  # a DNS subdomain: the longest pod name or namespace Kubern
 class Lease:
     id: int
     conn: socket.socket
-    pid: int | None
+    pid: int | None  # from the kernel (SO_PEERCRED), never from the request
     role: str
     group: str | None
+    uid: int = -1
+    token_hash: str = ""  # sha256 of the rejoin token handed to this engine
     pod: dict[str, str] | None = None  # the engine's pod, as it says (labels follow roles by it)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -59,8 +80,12 @@ class Lease:
 
     def to_json(self) -> dict[str, Any]:
         role = "promoting" if self.promoting.is_set() else self.role
-        return {"id": self.id, "pid": self.pid, "role": role, "group": self.group, "pod": self.pod,
+        return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": role, "group": self.group, "pod": self.pod,
                 "attached_at": self.since}
+
+    def record(self) -> dict[str, Any]:
+        """What the state file keeps of this lease: enough to recognise its engine after a restart."""
+        return {"pid": self.pid, "uid": self.uid, "token": self.token_hash}
 
     def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
              encoded: dict[str, bytes] | None = None) -> None:
@@ -71,11 +96,19 @@ class Lease:
 class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0,
+                 policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING,
                  on_promote: Callable[[Lease], None] | None = None):
         self.spec = spec
         # Called (on the thread that promoted) right after a standby is told it is primary:
         # the node-side label write that makes the cluster follow.
         self.on_promote = on_promote
+        self.policy = policy or SocketPolicy()
+        self.max_leases = max_leases
+        self.max_pending = max_pending
+        self._pending: dict[int, socket.socket] = {}  # connection id -> socket, oldest first
+        self._previous: dict[str, Any] | None = None  # the predecessor's state file, read once at bind
+        self._claimed: set[str] = set()  # token hashes of the predecessor's leases already rejoined
+        self._waiting = 0  # attaches waiting for the load to finish
         self.handshake_timeout = handshake_timeout
         self.device = device or Device("cpu", f"cpu-{spec.tp_rank}", spec.tp_rank)
         self.adopt_wait = adopt_wait
@@ -108,22 +141,32 @@ class Agent:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def bind(self) -> None:
-        os.makedirs(os.path.dirname(self.socket_path), exist_ok=True)
+        """Claim the socket path; `AccessError` (one line) when path, directory or lock say no."""
+        check_socket_path(self.socket_path)
+        prepare_dir(os.path.dirname(self.socket_path), self.policy)
         lock_path = sidecar_path(self.socket_path, "lock")
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as e:
+            raise AccessError(f"cannot open lock file {lock_path}: {e.strerror or e}") from None
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise WeightCacheError(f"another agent is already serving {self.socket_path}") from None
-        if os.path.exists(self.socket_path):
-            os.unlink(self.socket_path)  # we hold the lock, so its agent is gone
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        listener.bind(self.socket_path)
-        listener.listen(128)
-        self._listener = listener
-        log.info("listening on %s", self.socket_path)
+        if os.path.lexists(self.socket_path):
+            # We hold the lock, so its agent should be gone -- unless the lock file was removed
+            # under a live agent: a socket that still answers is never taken over.
+            if _answers(self.socket_path):
+                os.close(self._lock_fd)
+                self._lock_fd = None
+                raise WeightCacheError(f"another agent is already serving {self.socket_path}")
+            os.unlink(self.socket_path)
+        # Before any lease of ours rewrites it: the predecessor's leases are what a rejoin must match.
+        self._previous = read_private(self._state_path)
+        self._listener = bind_socket(self.socket_path, self.policy)
+        log.info("listening on %s (allowed: %s)", self.socket_path, self.policy.describe())
 
     def start(self) -> None:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
@@ -137,7 +180,7 @@ class Agent:
             t0 = time.monotonic()
             self.prepared = prepare_cache(self.spec, device=device_mark)
             self.timings["prepare"] = time.monotonic() - t0
-            self._adoptable = self.adopt_wait > 0 and self._previous_state() == self._state()
+            self._adoptable = self.adopt_wait > 0 and bool(self._previous_leases())
             self._prepared.set()
             if self._adoptable:
                 self.phase = "adopting"
@@ -166,7 +209,11 @@ class Agent:
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
         if self.leases():  # engines that rejoined during the load hold the arena too
-            self._write_state()
+            with self._lock:
+                try:
+                    self._write_state()
+                except OSError as e:
+                    log.warning("cannot record the engines that rejoined in %s: %s", self._state_path, e)
         self.phase = "ready"
         self._ready.set()
 
@@ -204,25 +251,28 @@ class Agent:
         return {"fingerprint": self.prepared.fingerprint, "layout_hash": self.prepared.layout.layout_hash,
                 "backend": self.device.backend, "device": self.device.uuid}
 
-    def _previous_state(self) -> dict[str, Any] | None:
-        try:
-            with open(self._state_path) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return None
+    def _previous_leases(self) -> list[dict[str, Any]]:
+        """The predecessor's lease records, if it served exactly what this agent prepared."""
+        previous, state = self._previous, self._state()
+        if not isinstance(previous, dict) or state is None:
+            return []
+        if any(previous.get(key) != value for key, value in state.items()):
+            return []
+        leases = previous.get("leases")
+        return [r for r in leases if isinstance(r, dict)] if isinstance(leases, list) else []
 
     def _write_state(self) -> None:
         """Record what engines hold, so a successor knows to wait for one to hand the arena back.
 
         The file exists exactly while engines are attached: an agent restarted after its
-        last engine left loads from disk at once instead of waiting for nobody.
+        last engine left loads from disk at once instead of waiting for nobody. Call with
+        `_lock` held; raises OSError when the file cannot be made durable.
         """
-        if self.prepared is None:
+        state = self._state()
+        if state is None:
             return
-        tmp = self._state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(self._state(), f)
-        os.replace(tmp, self._state_path)
+        state["leases"] = [lease.record() for lease in self._leases.values()]
+        write_private(self._state_path, state)
 
     def _clear_state(self) -> None:
         try:
@@ -295,43 +345,81 @@ class Agent:
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
+        ids = itertools.count()
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
+            except OSError as e:
                 if self._closed.is_set():
                     return
-                log.exception("accept failed")
-                time.sleep(0.1)
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    log.warning("accept failed: %s; dropping the oldest pending connection", e.strerror)
+                    self._drop_oldest_pending()
+                else:
+                    log.warning("accept failed: %s", e)
+                time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="client", daemon=True).start()
+            pid, uid, gid = protocol.peer_credentials(conn)
+            if not self.policy.allows(uid, gid, peer_groups(conn) if self.policy.gid is not None else ()):
+                log.warning("refused pid=%s uid=%s gid=%s: not allowed on this socket (allowed: %s)", pid, uid, gid,
+                            self.policy.describe())
+                conn.setblocking(False)
+                _try_send(conn, protocol.error_message("forbidden", "this uid may not use the agent's socket"))
+                conn.close()
+                continue
+            key = next(ids)
+            with self._lock:
+                self._pending[key] = conn
+                over = len(self._pending) > self.max_pending
+            if over:
+                self._drop_oldest_pending()
+            threading.Thread(target=self._serve, args=(conn, key, pid, uid), name="client", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        peer = protocol.peer_pid(conn)
+    def _drop_oldest_pending(self) -> None:
+        """Make room: a connection still sending its first request is dropped, oldest first."""
+        with self._lock:
+            if not self._pending:
+                return
+            key = next(iter(self._pending))
+            conn = self._pending.pop(key)
+        log.warning("too many connections still in their first request (cap %d): dropping the oldest",
+                    self.max_pending)
+        _shutdown(conn)
+
+    def _serve(self, conn: socket.socket, key: int, peer: int | None, uid: int) -> None:
         lease: Lease | None = None
         try:
-            conn.settimeout(self.handshake_timeout)
+            deadline = time.monotonic() + self.handshake_timeout
             while lease is None:
-                message, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_FDS)
-                if fds and message["type"] != "rejoin":
+                message, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS,
+                                                     deadline=deadline)
+                kind = message["type"]
+                if fds and kind != "rejoin":
                     for fd in fds:
                         os.close(fd)
-                    raise ProtocolError(f"file descriptors sent with a {message['type']!r} message")
-                kind = message["type"]
+                    raise ProtocolError(f"file descriptors sent with a {kind!r} message")
                 if kind == "status":
+                    conn.settimeout(self.handshake_timeout)
                     protocol.send_message(conn, self.status())
+                    deadline = time.monotonic() + self.handshake_timeout  # a new request, a new deadline
                 elif kind == "attach":
-                    lease = self._attach(conn, message, peer)
+                    self._done_pending(key)
+                    conn.settimeout(self.handshake_timeout)
+                    lease = self._attach(conn, message, peer, uid)
                     if lease is None:
                         return
-                elif kind == "switchover":
-                    self._switchover(conn, message)
-                    return
                 elif kind == "rejoin":
-                    lease = self._rejoin(conn, message, fds, peer)
+                    self._done_pending(key)
+                    conn.settimeout(self.handshake_timeout)
+                    lease = self._rejoin(conn, message, fds, peer, uid)
                     fds = []
                     if lease is None:
                         return
+                elif kind == "switchover":
+                    self._done_pending(key)
+                    conn.settimeout(self.handshake_timeout)
+                    self._switchover(conn, message)
+                    return
                 else:
                     raise ProtocolError(f"unexpected message type {kind!r} before attach")
             conn.settimeout(None)
@@ -351,21 +439,40 @@ class Agent:
             log.warning("client pid=%s dropped: %s", peer, e)
             _try_send(conn, protocol.error_message("protocol", str(e)))
         except OSError as e:
-            log.warning("client pid=%s dropped: %s", peer, e)
+            log.warning("client pid=%s dropped: %s", peer, e.strerror or e)
+        except (RecursionError, MemoryError) as e:
+            log.warning("client pid=%s dropped: request too complex (%s)", peer, type(e).__name__)
         except Exception:
             log.exception("client pid=%s dropped after an internal error", peer)
         finally:
+            self._done_pending(key)
             if lease is not None:
                 self._end_lease(lease)
             conn.close()
 
-    def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None) -> Lease | None:
+    def _done_pending(self, key: int) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None, uid: int) -> Lease | None:
         started = time.perf_counter()
         role, group, request = message.get("role", "primary"), message.get("group"), message.get("request")
         _check_lease_terms("attach", role, group)
         if not isinstance(request, dict) or not isinstance(request.get("spec"), dict):
             raise ProtocolError(f"attach needs request, an object with a spec; got {type(request).__name__}")
-        self._ready.wait()
+        if not self._ready.is_set():
+            with self._lock:
+                crowded = self._waiting >= self.max_leases
+                self._waiting += not crowded
+            if crowded:  # each waiter holds a thread and a socket until the load ends: bounded like leases
+                protocol.send_message(conn, protocol.error_message(
+                    "too_many_leases", f"{self.max_leases} attaches already wait for the load; try again later"))
+                return None
+            try:
+                self._ready.wait()
+            finally:
+                with self._lock:
+                    self._waiting -= 1
         if self.cache is None:
             protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
             return None
@@ -376,8 +483,15 @@ class Agent:
                 "revision_required", "the engine's checkpoint files differ from the ones loaded (name, size, mtime "
                                      "or inode): send their content identity"))
             return None
-        except (KeyError, TypeError, ValueError, WeightCacheError) as e:
-            protocol.send_message(conn, protocol.error_message("bad_request", f"cannot evaluate the engine's spec: {e}"))
+        except (KeyError, TypeError, ValueError) as e:
+            # Only what the client sent is named: these come from checking its own values.
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e).splitlines()[0][:300]
+            protocol.send_message(conn, protocol.error_message("bad_request", f"cannot evaluate the engine's spec: {what}"))
+            return None
+        except WeightCacheError as e:
+            log.warning("cannot evaluate the spec of pid=%s: %s", peer, e)
+            protocol.send_message(conn, protocol.error_message(
+                "bad_request", "cannot evaluate the engine's spec against this agent's checkpoint; see the agent's log"))
             return None
         diff = differences(self.cache.fields, fields)
         if diff:
@@ -385,8 +499,8 @@ class Agent:
             protocol.send_message(conn, protocol.error_message(
                 "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
             return None
-        pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
-        lease = self._register(conn, pid, role, group, _pod_identity(message.get("pod")))
+        token = secrets.token_hex(32)
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
         if lease is None:
             return None
         cache = self.cache
@@ -400,6 +514,7 @@ class Agent:
             "layout_hash": cache.layout.layout_hash,
             "bytes": cache.layout.nbytes,
             "arenas": [{"index": 0, "size": cache.arena.size, "backend": cache.arena.backend, "device": self.device.uuid}],
+            "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
             lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
@@ -411,7 +526,8 @@ class Agent:
         # a new count with an old sample.
         self.attach_seconds = (self.attach_seconds + [seconds])[-1000:]
         self.attaches += 1
-        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", pid, lease.role, group, lease.id, seconds * 1e3)
+        log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", peer, lease.role, group, lease.id,
+                 seconds * 1e3)
         return lease
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -423,54 +539,100 @@ class Agent:
                 self._engine_fields[key] = fields
         return dict(fields)
 
-    def _register(self, conn: socket.socket, pid: int | None, role: str, group: str | None,
-                  pod: dict[str, str] | None = None) -> Lease | None:
-        """A new lease, or None (after telling the client) when its group already has a primary.
+    def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
+                  token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
+        """A new lease, durable in the state file, or None (after telling the client why not).
 
         Role "auto" is decided here, under the lock: primary when the group has none, else standby.
         """
+        refusal = None
         with self._lock:
             has_primary = group is not None and any(
                 lease.role == "primary" and lease.group == group for lease in self._leases.values())
             if role == "auto":
                 role = "standby" if has_primary else "primary"
-            if role == "primary" and has_primary:
-                lease = None
+            if len(self._leases) >= self.max_leases:
+                refusal = protocol.error_message("too_many_leases", f"this agent holds its cap of {self.max_leases} "
+                                                                    "leases; try again later")
+            elif group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
+                refusal = protocol.error_message("group_taken", f"group {group!r} belongs to another user")
+            elif role == "primary" and has_primary:
+                refusal = protocol.error_message("primary_exists",
+                                                 f"group {group!r} already has a primary; attach as a standby")
             else:
-                lease = Lease(next(self._ids), conn, pid, role, group, pod)
+                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
                 self._leases[lease.id] = lease
-                if len(self._leases) == 1:
+                try:
                     self._write_state()
-        if lease is None:
-            protocol.send_message(conn, protocol.error_message(
-                "primary_exists", f"group {group!r} already has a primary; attach as a standby"))
+                except OSError as e:
+                    # A lease the state file does not know would be a ghost after a restart: roll it back.
+                    del self._leases[lease.id]
+                    log.error("cannot record a lease in %s: %s; refusing the attach", self._state_path,
+                              e.strerror or e)
+                    refusal = protocol.error_message("state_unwritable",
+                                                     "the agent cannot record the lease; see its log")
+        if refusal is not None:
+            protocol.send_message(conn, refusal)
+            return None
         return lease
 
-    def _rejoin(self, conn: socket.socket, message: dict[str, Any], fds: list[int], peer: int | None) -> Lease | None:
-        """An engine that outlived its agent reconnects, offering the arena it still maps."""
+    def _proven(self, message: dict[str, Any], pid: int | None, uid: int) -> dict[str, Any] | None:
+        """The predecessor's lease record this rejoin proves it held, or None."""
+        token = message.get("token")
+        if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN_CHARS:
+            return None
+        digest = _hash_token(token)
+        for record in self._previous_leases():
+            if not hmac.compare_digest(str(record.get("token", "")), digest):
+                continue
+            if record.get("uid") != uid:
+                return None
+            # A pid is known on both sides only within one PID namespace; where it is, it must be the same process.
+            if isinstance(record.get("pid"), int) and pid is not None and record["pid"] != pid:
+                return None
+            return record
+        return None
+
+    def _rejoin(self, conn: socket.socket, message: dict[str, Any], fds: list[int], peer: int | None,
+                uid: int) -> Lease | None:
+        """An engine that outlived its agent reconnects, offering the arena it still maps.
+
+        Refusals say no more than "refused": the client learns nothing it did not send.
+        """
+        adopt = False
         try:
-            role, group, fields = message.get("role"), message.get("group"), message.get("fields")
+            role, group = message.get("role"), message.get("group")
             _check_lease_terms("rejoin", role, group)
-            if not isinstance(fields, dict):
-                raise ProtocolError(f"rejoin needs fields, an object; got {type(fields).__name__}")
             self._prepared.wait()
             prepared = self.prepared
             if prepared is None:
-                protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed: {self.error}"))
+                protocol.send_message(conn, protocol.error_message("load_failed", "the agent failed to load"))
                 return None
-            diff = differences(prepared.fields, fields)
-            if diff:
+            record = self._proven(message, peer, uid)
+            with self._lock:
+                claimed = record is not None and record["token"] in self._claimed
+                if record is not None and not claimed:
+                    self._claimed.add(record["token"])
+            if record is None or claimed:
+                log.warning("refused a rejoin from pid=%s uid=%s: it proves no lease of this agent's predecessor",
+                            peer, uid)
                 protocol.send_message(conn, protocol.error_message(
-                    "fingerprint_mismatch", "this agent serves different weights; keep yours", fields=prepared.fields))
+                    "rejoin_refused", "rejoin refused; keep the weights you have"))
                 return None
-            arenas = message.get("arenas") or []
-            adopt = False
-            if (len(fds) == 1 and len(arenas) == 1 and message.get("layout_hash") == prepared.layout.layout_hash
+            fields = message.get("fields")
+            if not isinstance(fields, dict) or differences(prepared.fields, fields):
+                protocol.send_message(conn, protocol.error_message(
+                    "fingerprint_mismatch", "this agent serves different weights; keep yours"))
+                return None
+            arenas = message.get("arenas")
+            if (len(fds) == 1 and isinstance(arenas, list) and len(arenas) == 1 and isinstance(arenas[0], dict)
+                    and message.get("layout_hash") == prepared.layout.layout_hash
                     and arenas[0].get("backend") == self.device.backend):
                 with self._lock:
                     if self._adoptable and self._adopted_arena is None:
                         try:
-                            self._adopted_arena = self._new_arena(int(arenas[0]["size"]), fd=fds[0])
+                            # The layout's own size, never the client's: an arena of any other size is refused.
+                            self._adopted_arena = self._new_arena(prepared.layout.size, fd=fds[0])
                             fds, adopt = [], True  # the arena owns the fd now
                             self._adoption.set()
                         except (OSError, WeightCacheError, ValueError) as e:
@@ -478,12 +640,11 @@ class Agent:
         finally:
             for fd in fds:
                 os.close(fd)
-        pid = message.get("pid") if isinstance(message.get("pid"), int) else peer
-        lease = self._register(conn, pid, role, group, _pod_identity(message.get("pod")))
+        lease = self._register(conn, peer, uid, role, group, record["token"], _pod_identity(message.get("pod")))
         if lease is None:
             return None
         lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt})
-        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", pid, lease.role, group, lease.id,
+        log.info("rejoined pid=%s role=%s group=%s lease=%d%s", peer, lease.role, group, lease.id,
                  " (its arena adopted)" if adopt else "")
         return lease
 
@@ -491,8 +652,14 @@ class Agent:
         with self._lock:
             if self._leases.pop(lease.id, None) is None:
                 return
-            if not self._leases and not self._closed.is_set():
-                self._clear_state()
+            if not self._closed.is_set():
+                if not self._leases:
+                    self._clear_state()
+                else:
+                    try:
+                        self._write_state()
+                    except OSError as e:  # a stale record only lets its departed engine rejoin
+                        log.warning("cannot update %s: %s", self._state_path, e.strerror or e)
             successor = None
             if lease.role == "primary" and lease.group is not None:
                 standbys = [s for s in self._leases.values() if s.group == lease.group and s.role == "standby"]
@@ -592,8 +759,27 @@ def _try_lease_send(lease: Lease, message: dict[str, Any]) -> None:
 
 
 def _check_lease_terms(kind: str, role: Any, group: Any) -> None:
-    if role not in ROLES or not (group is None or isinstance(group, str)):
-        raise ProtocolError(f"{kind} needs role in {ROLES} and group a string or null; got role={role!r} group={group!r}")
+    if role not in ROLES or not (group is None or (isinstance(group, str) and GROUP_RE.fullmatch(group))):
+        shown = group if not isinstance(group, str) or len(group) <= 64 else group[:64] + "..."
+        raise ProtocolError(f"{kind} needs role in {ROLES} and group null or a name of letters, digits and ._:/- "
+                            f"(at most 253); got role={str(role)[:32]!r} group={shown!r}")
+
+
+def _hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _answers(path: str) -> bool:
+    """True when something accepts connections at `path` (a live agent whose lock file was removed)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def sidecar_path(socket_path: str, kind: str) -> str:

@@ -22,6 +22,7 @@ import json
 import logging
 import socket
 import socketserver
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Iterable, Protocol
@@ -107,6 +108,16 @@ class _StatusCollector:
 
 class _Server(ThreadingHTTPServer):
     dual_stack = False  # with AF_INET6 on "::": IPv4 too (pod IPs may be either)
+    daemon_threads = True
+    request_queue_size = 128  # probes, scrapes and the operator may arrive together
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hung up mid-reply is routine, not a traceback.
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("client %s went away: %s", client_address, exc)
+            return
+        log.exception("HTTP request from %s failed", client_address)
 
     def server_bind(self) -> None:
         if self.dual_stack:

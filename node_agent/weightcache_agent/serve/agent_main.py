@@ -3,15 +3,15 @@
 With `--socket` this process is one agent serving one rank; with `--socket-dir` it is the
 node supervisor (supervisor.py), which runs one `--socket` agent per rank as a worker.
 
-Exit status: 0 after a clean shutdown, 1 when the checkpoint or memory says no,
-2 for a refused spec (bad flag, refused quantization method), 3 when another agent
-already serves the socket.
+Exit status: 0 after a clean shutdown, 1 when the checkpoint, memory or the socket's
+place says no (path too long, directory unusable), 2 for a refused spec (bad flag, refused
+quantization method), 3 when another agent already serves the socket.
 """
 from __future__ import annotations
 
 import argparse
 import logging
-import signal
+import os
 import sys
 import threading
 from typing import Any
@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="replicas of the cache on this node, --tp-size GPUs each (default: as many as fit; "
                            "cpu backend: 1)")
     node.add_argument("--http-port", type=int, default=9464, help="health, metrics and status over HTTP (0: any free port)")
-    node.add_argument("--http-host", default="", help="address to listen on (default: every address, IPv4 and IPv6)")
+    node.add_argument("--http-host", default=None,
+                      help="address for health, metrics and status (default: $WEIGHTCACHE_HTTP_HOST, else $POD_IP, "
+                           "else 127.0.0.1; '' or '::' for every address)")
     node.add_argument("--port-file", help="write the HTTP port here once listening")
     node.add_argument("--control-token-file",
                       help="enables POST /switchover for holders of this bearer token (default: "
@@ -52,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", help="revision label shown in status")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its first complete request")
+    p.add_argument("--socket-group", default=os.environ.get("WEIGHTCACHE_SOCKET_GROUP") or None,
+                   help="group (name or gid) whose members may connect to the socket, besides root "
+                        "(default: $WEIGHTCACHE_SOCKET_GROUP, else none)")
+    p.add_argument("--max-leases", type=int, default=256, help="engines one socket serves at most")
+    p.add_argument("--max-pending", type=int, default=64,
+                   help="connections still sending their first request; past it the oldest is dropped")
     p.add_argument("--adopt-wait", type=float, default=3.0,
                    help="after a restart with engines still attached, seconds to wait for one to hand the arena back")
     p.add_argument("--label-pods", choices=("auto", "on", "off"), default="auto",
@@ -82,7 +90,9 @@ def main(argv: list[str]) -> int:
         print(f"weightcache agent: bad spec: {e}", file=sys.stderr)
         return 2
 
+    from .access import AccessError, SocketPolicy
     from .agent import Agent  # after the spec checks: refusals stay instant
+    from .stop import StopFlag
 
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     try:
@@ -90,19 +100,28 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 2
+    try:
+        policy = SocketPolicy.from_group(args.socket_group)
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 2
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
-                  adopt_wait=args.adopt_wait,
+                  adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
                   on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None)
     try:
         agent.bind()
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:
+        print(f"weightcache agent: cannot serve {args.socket}: {e.strerror or e}", file=sys.stderr)
+        return 1
     except WeightCacheError as e:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 3
-    stop = threading.Event()
+    stop = StopFlag().on_signals()
     failure: list[BaseException] = []
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
 
     def load() -> None:
         try:

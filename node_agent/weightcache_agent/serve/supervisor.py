@@ -41,6 +41,7 @@ from typing import Any, Callable, TextIO
 
 from .agent import remove_socket_files
 from ..protocol import agent_status
+from .stop import StopFlag
 from ..arena.devices import Device, resolve_backend, select_devices
 from ..errors import WeightCacheError
 from .process_group import die_with_parent
@@ -91,6 +92,8 @@ class NodeConfig:
     handshake_timeout: float = 10.0
     log_format: str = "text"
     node_name: str = ""
+    socket_group: str | None = None
+    max_leases: int = 256
     label_pods: str = "auto"
 
     def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
@@ -98,7 +101,7 @@ class NodeConfig:
                 "--model", self.model, "--socket", socket_path,
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
                 "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
-                "--handshake-timeout", str(self.handshake_timeout),
+                "--handshake-timeout", str(self.handshake_timeout), "--max-leases", str(self.max_leases),
                 "--log-format", self.log_format, "--progress", "never", "--label-pods", self.label_pods]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
@@ -108,6 +111,8 @@ class NodeConfig:
             argv += ["--sharding", self.sharding]
         if self.expert_parallel:
             argv.append("--expert-parallel")
+        if self.socket_group is not None:
+            argv += ["--socket-group", str(self.socket_group)]
         return argv
 
 
@@ -397,7 +402,7 @@ class NodeSupervisor:
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def run(self, stop: threading.Event) -> None:
+    def run(self, stop: "threading.Event | StopFlag") -> None:
         """Supervise until `stop` is set, then stop every worker. Call from the main thread."""
         os.makedirs(self.config.socket_dir, exist_ok=True)
         log.info("node %s: serving %d rank(s) of %s on %s backend, sockets in %s", self.config.node_name,
@@ -485,6 +490,16 @@ class NodeSupervisor:
         return True, "ok"
 
 
+def http_host(flag: str | None) -> str:
+    """Where the HTTP endpoints listen: the flag, else $WEIGHTCACHE_HTTP_HOST, else the pod's IP, else loopback.
+
+    Never every address by default: a node's other interfaces have no business with the agent.
+    """
+    if flag is not None:
+        return flag
+    return os.environ.get("WEIGHTCACHE_HTTP_HOST") or os.environ.get("POD_IP") or "127.0.0.1"
+
+
 def replica_devices(backend: str, spec: str, tp_size: int, replicas: int = 0) -> list[Device]:
     """The devices this node serves, `tp_size` per replica of the cache.
 
@@ -532,8 +547,16 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--tp-size must be at least 1, got {args.tp_size}")
     if args.tp_rank != 0:
         parser.error("--tp-rank names one worker's rank; with --socket-dir every rank runs here")
+    from .access import AccessError, SocketPolicy, check_socket_path, prepare_dir
+
     node_name = args.node_name or os.environ.get("NODE_NAME") or socket.gethostname()
     socket_dir = os.path.abspath(args.socket_dir)
+    try:
+        policy = SocketPolicy.from_group(args.socket_group)
+        prepare_dir(socket_dir, policy)
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 1
     setup_error = None
     try:
         backend = resolve_backend(args.backend)
@@ -542,23 +565,30 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         # Stay up and say why: the operator reads this from /status, a crash loop says less.
         backend, devices, setup_error = args.backend, [], f"no devices to serve: {e}"
         log.error("%s", setup_error)
+    try:
+        # Every worker's socket path, checked now: a directory too deep for them is one line, not a restart loop.
+        for device in devices:
+            check_socket_path(os.path.join(socket_dir, device.socket_name))
+    except AccessError as e:
+        print(f"weightcache agent: {e}", file=sys.stderr)
+        return 1
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
-                        label_pods=args.label_pods)
+                        socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop = StopFlag().on_signals()
+    host = http_host(args.http_host)
     try:
-        server = AgentHTTPServer(args.http_host, args.http_port, supervisor, metrics.registry,
+        server = AgentHTTPServer(host, args.http_port, supervisor, metrics.registry,
                                  control_token=_control_token_reader(args.control_token_file))
     except OSError as e:
-        print(f"weightcache agent: cannot serve HTTP on port {args.http_port}: {e}", file=sys.stderr)
+        print(f"weightcache agent: cannot serve HTTP on {host or '*'}:{args.http_port}: {e.strerror or e}",
+              file=sys.stderr)
         return 1
     server.start()
     if args.port_file:

@@ -1,0 +1,183 @@
+"""Who may reach an agent's socket, and the files beside it that only the agent may touch.
+
+The socket is the trust boundary: whoever can connect can attach, and an attached engine
+maps the weights. So the agent decides that itself instead of inheriting it from a umask:
+
+- the socket directory is created 0750 (group: the socket group) and refused when someone
+  other than root or the agent could rename or delete entries in it -- that is what keeps
+  the lock file and the state file beside the socket out of clients' reach;
+- the socket is bound under a umask that leaves it 0660, then set to exactly that, with the
+  socket group as its group;
+- every accepted peer's credentials (SO_PEERCRED, SO_PEERGROUPS) are checked again against
+  the same policy: root, the agent's own uid, or a member of the socket group;
+- the state file is written with `O_NOFOLLOW | O_EXCL`, 0600, fsynced and renamed into
+  place, and read back only when it is a regular file the agent owns that nobody else can
+  read or write.
+
+`SocketPolicy.from_group` resolves the configured group (a name or a number); None means
+no group: only root and the agent's uid may connect.
+"""
+from __future__ import annotations
+
+import errno
+import grp
+import json
+import os
+import socket
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import WeightCacheError
+
+SOCKET_MODE = 0o660
+DIR_MODE = 0o750
+STATE_MODE = 0o600
+MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
+MAX_STATE_BYTES = 1 << 20
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
+
+
+class AccessError(WeightCacheError):
+    """The socket cannot be served safely: path, directory or group is not acceptable."""
+
+
+@dataclass(frozen=True)
+class SocketPolicy:
+    """Root, the agent's own uid, and (when set) members of `gid` may connect."""
+
+    gid: int | None = None
+
+    @classmethod
+    def from_group(cls, group: str | int | None) -> "SocketPolicy":
+        if group is None or group == "":
+            return cls(None)
+        if isinstance(group, int) or str(group).isdigit():
+            return cls(int(group))
+        try:
+            return cls(grp.getgrnam(str(group)).gr_gid)
+        except KeyError:
+            raise AccessError(f"socket group {group!r} does not exist on this host") from None
+
+    def allows(self, uid: int, gid: int, groups: tuple[int, ...] = ()) -> bool:
+        if uid in (0, os.geteuid()):
+            return True
+        return self.gid is not None and (gid == self.gid or self.gid in groups)
+
+    def describe(self) -> str:
+        return f"root, uid {os.geteuid()}" + (f" and group {self.gid}" if self.gid is not None else "")
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The peer's supplementary groups as the kernel recorded them at connect time (empty if unknown)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * 256)
+    except OSError:
+        return ()
+    return struct.unpack(f"{len(raw) // 4}i", raw[: len(raw) - len(raw) % 4])
+
+
+def check_socket_path(path: str) -> None:
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise AccessError(f"socket path {path} is {len(os.fsencode(path))} bytes; Unix sockets allow at most "
+                          f"{MAX_SOCKET_PATH}: use a shorter --socket or --socket-dir")
+
+
+def prepare_dir(directory: str, policy: SocketPolicy) -> None:
+    """Create `directory` 0750 (group: the socket group) if missing; refuse one others could tamper with."""
+    parent = os.path.dirname(directory.rstrip("/")) or "/"
+    try:
+        if not os.path.isdir(directory):
+            if os.path.exists(parent) and not os.path.isdir(parent):
+                raise AccessError(f"cannot create socket directory {directory}: {parent} is not a directory")
+            os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
+            os.chmod(directory, DIR_MODE)
+            if policy.gid is not None:
+                os.chown(directory, -1, policy.gid)
+        st = os.stat(directory)
+    except AccessError:
+        raise
+    except OSError as e:
+        raise AccessError(f"cannot create socket directory {directory}: {e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise AccessError(f"socket directory {directory} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise AccessError(f"socket directory {directory} belongs to uid {st.st_uid}, who could replace the agent's "
+                          "files: use a directory owned by root")
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+        raise AccessError(f"socket directory {directory} is writable by others (mode {stat.S_IMODE(st.st_mode):o}), "
+                          "who could remove the agent's lock and state files: make it 0750")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise AccessError(f"socket directory {directory} is not writable by the agent")
+
+
+def bind_socket(path: str, policy: SocketPolicy, backlog: int = 128) -> socket.socket:
+    """A listening Unix socket at `path`, 0660, group the socket group; never wider, not even briefly."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)  # the socket's mode comes from the umask at bind: 0600 until set below
+    try:
+        listener.bind(path)
+    except OSError as e:
+        listener.close()
+        raise AccessError(f"cannot bind socket {path}: {e.strerror or e}") from None
+    finally:
+        os.umask(old)
+    try:
+        if policy.gid is not None:
+            os.chown(path, -1, policy.gid)
+        os.chmod(path, SOCKET_MODE)
+    except OSError as e:
+        listener.close()
+        raise AccessError(f"cannot set the mode of socket {path}: {e.strerror or e}") from None
+    listener.listen(backlog)
+    return listener
+
+
+def write_private(path: str, doc: Any) -> None:
+    """Write JSON to `path` durably, readable by the agent alone; links at the temporary name are not followed."""
+    tmp = path + ".tmp"
+    try:
+        os.unlink(tmp)  # a leftover, or a link someone planted: unlink removes the link, never its target
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, STATE_MODE)
+    try:
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dir_fd)  # the rename itself durable
+    finally:
+        os.close(dir_fd)
+
+
+def read_private(path: str) -> Any:
+    """JSON from `path`, or None unless it is a small regular file of ours that nobody else can read or write."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno not in (errno.ENOENT, errno.ELOOP):
+            raise
+        return None
+    try:
+        st = os.fstat(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
+                or st.st_size > MAX_STATE_BYTES):
+            return None
+        raw = os.read(fd, MAX_STATE_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
