@@ -13,8 +13,9 @@ registers it), and, like it, does not care why it runs. One pass:
 3. read back this EngineSet's pods and claims (label ``weightcache.io/engineset``
    and controller owner reference), their placement from their annotations, and
    place the groups (``placement.place``: existing groups stay, new ones spread);
-4. per group: create the claim, create each missing slot's pod (a deleted pod is
-   replaced by the next pass), delete failed pods and pods of groups or slots that
+4. per group: create the claim, create the missing pods in the lowest free slots
+   (a deleted pod is replaced by the next pass; pods are counted, so after a rollout
+   they may sit in any slots), delete excess standbys highest slot first, delete failed pods and pods of groups or slots that
    are no longer wanted (never a group's serving pod while the group keeps running);
    create or patch the Service. The first group with a pod of an older template is
    rolled instead, one step per pass (``rollout.plan_group``: surge a standby on the
@@ -551,9 +552,12 @@ class EngineSetReconciler:
                     gp.terminating.add(slot)
             if group == rolling:
                 step = await self._roll(body, es, view, namespace, name, p, gp, thash, note, rejected)
-            for slot in range(es.slots if group != rolling else 0):  # a rolling group's pods: the planner's
-                if slot in gp.live or slot in gp.terminating:
-                    continue
+            # Missing pods, in the lowest free slots (a rolling group's pods are the planner's).
+            # Counted, not slot by slot: after a rollout the pods may sit in any slots.
+            missing = 0 if group == rolling else es.slots - len(gp.live) - len(gp.terminating)
+            free = [s for s in range(es.slots + len(gp.live) + len(gp.terminating))
+                    if s not in gp.live and s not in gp.terminating][:max(missing, 0)]
+            for slot in free:
                 pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
                 try:
                     created = await asyncio.to_thread(self._create, pod, body)
@@ -579,12 +583,16 @@ class EngineSetReconciler:
                 if (_meta(primary).get("labels") or {}).get(LABEL_SERVING) != "true":
                     serving_true.append(primary)
                 serving_false += [pod for pod in labelled if pod is not primary]
-            # Excess standbys go; a primary in an excess slot stays until the agent moves it.
-            for slot, pod in sorted(gp.live.items()):
-                if group != rolling and slot >= es.slots and pod is not primary and pod not in labelled:
+            # Excess standbys go, highest slot first; never the primary or a pod still routed to.
+            excess = 0 if group == rolling else len(gp.live) - es.slots
+            for slot, pod in sorted(gp.live.items(), reverse=True):
+                if excess <= 0:
+                    break
+                if pod is not primary and pod not in labelled:
                     if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
                         note("deleted", "Pod", _meta(pod)["name"], f"standbys is {es.standbys}")
                     del gp.live[slot]
+                    excess -= 1
 
             serving_pod = primary if primary is not None else (labelled[0] if labelled else None)
             entry: dict[str, Any] = {"index": group, "node": p.node, "gpus": list(p.gpus)}
