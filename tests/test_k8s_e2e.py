@@ -21,6 +21,7 @@ the trial loop; this test runs fewer trials than the benchmark (for CI time) and
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import statistics
@@ -29,7 +30,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from k8s_lab import REPO, Lab
+from k8s_lab import REPO, Lab, wait_for
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -159,7 +160,10 @@ def test_template_rollout_moves_each_groups_endpoint_to_a_new_pod_without_a_gap(
 
 def test_after_the_rollout_each_group_has_one_primary_and_its_standbys(e2e: e2e_bench.EndToEnd) -> None:
     """The surged pod may keep its slot: a group still ends with 1 + standbys pods, not one more."""
+    def live() -> list[str]:
+        return sorted(p["metadata"]["name"] for p in e2e.pods() if not p["metadata"].get("deletionTimestamp"))
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: len(live()) == e2e.replicas * (1 + e2e.standbys), timeout=20, what="four pods")
+    assert len(live()) == e2e.replicas * (1 + e2e.standbys), live()
     settled = e2e.wait_settled((0, 1))
-    live = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
-    assert len(live) == e2e.replicas * (1 + e2e.standbys), sorted(p["metadata"]["name"] for p in live)
-    assert {e2e_bench.group_of(p["metadata"]["name"]) for p in live} == set(settled)
+    assert {e2e_bench.group_of(n) for n in live()} == set(settled)
