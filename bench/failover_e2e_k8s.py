@@ -211,6 +211,7 @@ class EndToEnd:
         self.runner = runner
         self.stack.callback(self._stop_operator)
         self.stack.callback(self._delete_resources)  # runs before the operator stops
+        self.stack.callback(self._sweep)              # what outlived its pod (an agent's workers)
         self.kubelet.start()
         self.stack.callback(self.kubelet.stop)        # and first of all: the processes
 
@@ -258,6 +259,20 @@ class EndToEnd:
             with contextlib.suppress(TimeoutError):
                 wait_for(lambda p=plural, n=name: self.api.get_or_none(f"{WC}/namespaces/{self.ns}/{p}/{n}") is None,
                          timeout=20, what=f"{plural}/{name} gone")
+
+    def _sweep(self) -> None:
+        """Kill, by pid, any process still running with an argument under this setup's directory: the
+        kubelet kills a pod's process group, and an agent's workers run in groups of their own."""
+        import signal
+
+        here = str(self.root)
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit() or int(entry.name) == os.getpid():
+                continue
+            with contextlib.suppress(OSError):
+                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+                if any(a.startswith(here + "/") for a in args):
+                    os.kill(int(entry.name), signal.SIGKILL)
 
     def _stop_operator(self) -> None:
         self.runner.__exit__(None, None, None)
