@@ -101,7 +101,7 @@ def test_oversize_frame_is_refused_before_reading_it(model, agent, bystander):
 
 
 @pytest.mark.parametrize("body,expected", [
-    (b"\xff\xfenot json", "not JSON"),
+    (b"\xff\xfenot json", "not valid JSON"),
     (b"[1, 2, 3]", "JSON object with a string 'type'"),
     (b'{"type": "launch-missiles"}', "unexpected message type 'launch-missiles'"),
     (b'{"type": "attach", "role": "leader", "fields": {}}', "attach needs role in"),

@@ -109,20 +109,28 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
         raise
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
-    """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not.
+def parse_json(body: bytes) -> Any:
+    """JSON from a peer, or `ValueError` with one line saying why not ("is not valid JSON: ...").
 
     Nesting too deep for the parser and integers too long to convert are refused like any
-    other malformed body: a peer must not be able to turn a frame into a traceback.
+    other malformed body, so that no peer can turn a request into a traceback.
     """
     try:
-        message = json.loads(body)
+        return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"frame body is not JSON: {e}") from None
+        raise ValueError(f"is not valid JSON: {e}") from None
     except RecursionError:
-        raise ProtocolError("frame body nests too deeply") from None
+        raise ValueError("nests too deeply") from None
     except ValueError as e:  # integers beyond the interpreter's digit limit
-        raise ProtocolError(f"frame body is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+        raise ValueError(f"is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not."""
+    try:
+        message = parse_json(body)
+    except ValueError as e:
+        raise ProtocolError(f"frame body {e}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
         raise ProtocolError("frame body is not a JSON object with a string 'type'")
     return message

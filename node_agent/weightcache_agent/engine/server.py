@@ -28,6 +28,7 @@ from typing import Any
 
 
 from ..client.session import Attachment, attach, socket_from_env
+from ..protocol import parse_json
 from ..load.checkpoint import dtype_from_name, open_checkpoint
 from ..load.fingerprint import resolved_dtype
 from .model import CausalLM, ModelConfig, build_model
@@ -236,13 +237,9 @@ class Engine:
     def parse_generate(self, body: bytes) -> tuple[list[int], int]:
         """Validate a /generate body; every refusal names what is wrong."""
         try:
-            request = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadRequest(f"body is not valid JSON: {e}") from None
-        except RecursionError:
-            raise BadRequest("body nests too deeply") from None
-        except ValueError as e:  # an integer beyond the interpreter's digit limit
-            raise BadRequest(f"body is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+            request = parse_json(body)
+        except ValueError as e:
+            raise BadRequest(f"body {e}") from None
         if not isinstance(request, dict):
             raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
         unknown = sorted(set(request) - {"tokens", "max_tokens"})
