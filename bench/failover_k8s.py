@@ -199,6 +199,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(math.ceil(q / 100 * len(ordered)) - 1, 0)]
 
 
+def verdict(what: str, p99: float) -> str:
+    """One line: a p99 against the failover bar and goal."""
+    word = "goal met" if p99 <= GOAL_P99_S else "bar met" if p99 <= BAR_P99_S else "BAR MISSED"
+    return f"{what} p99 {p99 * 1000:.1f} ms: {word} (bar {BAR_P99_S * 1000:.0f} ms, goal {GOAL_P99_S * 1000:.0f} ms)"
+
+
 def table(r: Results) -> str:
     def ms(x: float) -> str:
         return f"{x * 1000:7.1f}"
@@ -214,10 +220,7 @@ def table(r: Results) -> str:
     slowest = max(range(len(r.one)), key=r.one.__getitem__)
     lines.append(f"slowest one-write trial: #{slowest + 1}, {r.one[slowest] * 1000:.1f} ms, of which the write "
                  f"{r.write[slowest] * 1000:.1f} ms")
-    p99 = percentile(r.one, 99)
-    verdict = "goal met" if p99 <= GOAL_P99_S else "bar met" if p99 <= BAR_P99_S else "BAR MISSED"
-    lines.append(f"one-write p99 {p99 * 1000:.1f} ms: {verdict} (bar {BAR_P99_S * 1000:.0f} ms, "
-                 f"goal {GOAL_P99_S * 1000:.0f} ms)")
+    lines.append(verdict("one-write", percentile(r.one, 99)))
     return "\n".join(lines)
 
 
