@@ -151,7 +151,7 @@ def test_client_killed_mid_attach(model, agent, bystander):
     for _ in range(3):  # and a client that hangs up right after asking
         s = raw(agent)
         protocol.send_message(s, {"type": "attach", "role": "primary", "group": None,
-                                  "request": {"spec": {"model": model}, "revision": "x", "torch": "0"}})
+                                  "request": {"spec": {"model": model}, "content": "x", "torch": "0"}})
         s.close()
     still_serving(model, agent, bystander)
 
@@ -179,7 +179,7 @@ def test_files_the_agent_read_are_vouched_for_by_signature_a_copy_must_send_its_
         s.close()
         return reply
 
-    assert "revision" not in engine_request(CacheSpec(model=model))
+    assert "content" not in engine_request(CacheSpec(model=model))
     assert ask(engine_request(CacheSpec(model=model)))["type"] == "manifest"
     copy = str(shutil.copytree(model, tmp_path / os.path.basename(model)))  # same bytes, other inodes
     refused = ask(engine_request(CacheSpec(model=copy)))
@@ -188,4 +188,4 @@ def test_files_the_agent_read_are_vouched_for_by_signature_a_copy_must_send_its_
     with open(os.path.join(copy, "config.json"), "a") as f:
         f.write(" ")  # an edit: signature and content identity both change
     changed = ask(engine_request(CacheSpec(model=copy), with_revision=True))
-    assert changed["code"] == "fingerprint_mismatch" and changed["engine_fields"]["revision"] != changed["fields"]["revision"]
+    assert changed["code"] == "fingerprint_mismatch" and changed["engine_fields"]["content"] != changed["fields"]["content"]

@@ -22,13 +22,15 @@ class UnsupportedQuantization(WeightCacheError):
 class FingerprintMismatch(WeightCacheError):
     """The agent holds different weights than the engine asked for.
 
-    `differences` maps each differing field to (cache value, engine value).
+    `differences` maps each differing field to (cache value, engine value); `model`, the
+    model's name as the engine knows it, only makes the message readable.
     """
 
-    def __init__(self, differences: dict[str, tuple[object, object]]):
+    def __init__(self, differences: dict[str, tuple[object, object]], model: str | None = None):
         self.differences = dict(differences)
+        self.model = model
         lines = [f"{key}: cache={cache!s} engine={engine!s}" for key, (cache, engine) in sorted(self.differences.items())]
-        super().__init__("fingerprint mismatch: " + "; ".join(lines))
+        super().__init__("fingerprint mismatch" + (f" for {model}" if model else "") + ": " + "; ".join(lines))
 
 
 class ProtocolError(WeightCacheError):

@@ -23,7 +23,9 @@ class CacheSpec:
     dtype: str = "auto"
     sharding: str | None = None  # preset name or YAML rules file; None: chosen from config.json
     expert_parallel: bool = False
-    revision: str | None = None  # a label (e.g. a git revision) shown in status; content identity is checked separately
+    # A label (e.g. a git revision), part of the fingerprint: an engine that names one attaches only to an agent
+    # started with the same. The checkpoint's content is checked besides, whatever the label says.
+    revision: str | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -32,6 +34,8 @@ class CacheSpec:
             raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.revision is not None and (not isinstance(self.revision, str) or not 0 < len(self.revision) <= 128):
+            raise ValueError(f"revision must be a string of 1 to 128 characters, got {self.revision!r}")
         check_quantization(self.quantization)
 
     def to_json(self) -> dict[str, Any]:

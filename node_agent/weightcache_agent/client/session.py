@@ -28,7 +28,7 @@ from torch import nn
 from .. import protocol
 from ..arena.cpu import map_readonly
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
-from ..load.fingerprint import differences, engine_request
+from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
 from .rebind import bind_manifest
 from ..spec import CacheSpec
@@ -278,7 +278,8 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             conn.settimeout(timeout)
             reply, fds = _ask_attach(conn, role, group, pod, engine_request(spec, with_revision=True))
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
-            raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}))
+            raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}),
+                                      model=model_name(spec.model))
         protocol.raise_on_error(reply, conn.getpeername())
         arenas = reply.get("arenas")
         if reply["type"] != "manifest" or not isinstance(arenas, list) or len(fds) != len(arenas) or not all(

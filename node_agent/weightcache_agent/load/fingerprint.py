@@ -1,10 +1,13 @@
 """The fingerprint: one hash over everything that decides the bytes in an arena.
 
-`fingerprint_fields` lists those things by name -- model and content identity of its
-headers, parallelism and rank, quantization and its config, dtype, sharding, layout
-version, and marks of the environment (torch version, device). The agent publishes its
-fields; an engine computes its own from its spec and `differences` names every field
-that disagrees, so a mismatch says exactly what differs instead of "hash differs".
+`fingerprint_fields` lists those things by name -- the content identity of the
+checkpoint's headers and config (never its path: an agent and an engine mount the same
+model at different places), the revision label an operator gave it, parallelism and rank,
+quantization and its config, dtype, sharding, layout version, and marks of the environment
+(torch version, device). The agent publishes its fields; an engine computes its own from
+its spec and `differences` names every field that disagrees, so a mismatch says exactly
+what differs instead of "hash differs". The model's directory name travels beside the
+fields (`model_name`) for messages only.
 """
 from __future__ import annotations
 
@@ -53,8 +56,9 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
     quant_config = dict(QUANTIZATION_CONFIGS[spec.quantization],
                         source="checkpoint" if checkpoint_quantization(checkpoint) else "load")
     fields = {
-        "model": os.path.basename(checkpoint.directory.rstrip("/")),
-        "revision": checkpoint.revision,
+        "content": checkpoint.revision,
+        # The operator's label (`--revision`, CacheSpec.revision): an engine that names one gets exactly that one.
+        "revision": spec.revision,
         "tp_size": spec.tp_size,
         "tp_rank": spec.tp_rank,
         "pp_size": 1,
@@ -75,6 +79,11 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
 PLAN_IDENTITY_RE = re.compile(r"unsharded|preset:[a-z_]{1,32}|rules:[0-9a-f]{16}(\+preset:[a-z_]{1,32})?")
 
 
+def model_name(path: str) -> str:
+    """The model's directory name: what messages call it, never what identifies it."""
+    return os.path.basename(str(path).rstrip("/")) or str(path)
+
+
 def is_preset(sharding: str) -> bool:
     from .sharding import PRESETS
 
@@ -92,6 +101,7 @@ def engine_request(spec: CacheSpec, with_revision: bool = False) -> dict[str, An
     engine's full fields from it with `fields_for_request`, on the checkpoint it has already
     parsed. Where the agent does not recognise the signature, the engine asks again
     `with_revision` (the content identity of the headers, ~1 ms for 16 shards).
+    Neither carries the model's path: the same files mounted elsewhere are the same model.
     """
     from .checkpoint import content_identity, file_signature
 
@@ -103,7 +113,7 @@ def engine_request(spec: CacheSpec, with_revision: bool = False) -> dict[str, An
 
         request["sharding_identity"] = plan_identity(open_checkpoint(spec.model), spec.sharding, spec.tp_size)
     if with_revision:
-        request["revision"] = content_identity(spec.model)
+        request["content"] = content_identity(spec.model)
     return request
 
 
@@ -111,16 +121,19 @@ def fields_for_request(request: dict[str, Any], checkpoint: Checkpoint) -> dict[
     """The fields an engine would compute for its spec, had it parsed `checkpoint` itself.
 
     Every derived field (resolved dtype, quantization source, sharding plan) is a function of
-    the spec and of the checkpoint's content, and the content is pinned by `revision`: where
-    the engine's revision matches ours, the checkpoint is the same and so are the derivations.
-    The engine's revision is ours when its files carry the signature ours had when we read
-    them; otherwise it must send its content identity (`RevisionRequired`).
+    the spec and of the checkpoint's content, and the content is pinned by `content`: where
+    the engine's content identity matches ours, the checkpoint is the same and so are the
+    derivations. The engine's content is ours when its files carry the signature ours had when
+    we read them; otherwise it must send its content identity (`RevisionRequired`).
+    An engine that names no revision label leaves the field out: it accepts the agent's.
     """
-    revision = request.get("revision")
-    if revision is None:
+    content = request.get("content")
+    if content is None:
         if not checkpoint.signature or request.get("files") != checkpoint.signature:
             raise RevisionRequired()
-        revision = checkpoint.revision
+        content = checkpoint.revision
+    elif not isinstance(content, str):
+        raise ValueError("content must be a string")
     known = CacheSpec.__dataclass_fields__
     spec = CacheSpec(**{k: v for k, v in request["spec"].items() if k in known})
     identity = None
@@ -131,7 +144,9 @@ def fields_for_request(request: dict[str, Any], checkpoint: Checkpoint) -> dict[
             raise ValueError("the spec names a sharding rules file: send its plan identity as sharding_identity "
                              "(the agent never reads a client's files)")
     fields = fingerprint_fields(spec, checkpoint, device=None, sharding_identity=identity)
-    fields.update(model=os.path.basename(str(spec.model).rstrip("/")), revision=revision, torch=request["torch"])
+    fields.update(content=content, torch=request["torch"])
+    if spec.revision is None:
+        del fields["revision"]
     return fields
 
 
@@ -141,7 +156,9 @@ def fingerprint(fields: dict[str, Any]) -> str:
 
 # An engine cannot know the agent's device before it connects; the backend checks the
 # device itself when it maps the arena, so an engine may leave this field out.
-ENGINE_MAY_OMIT = frozenset({"device"})
+# Likewise the revision label: an engine that names none takes whichever the agent serves (the content is
+# still checked).
+ENGINE_MAY_OMIT = frozenset({"device", "revision"})
 
 
 def differences(cache: dict[str, Any], engine: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
