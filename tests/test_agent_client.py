@@ -106,12 +106,12 @@ def test_fingerprint_is_content_identity_not_path(model, agent, tmp_path):
     same = shutil.copytree(model, tmp_path / "copy" / os.path.basename(model))
     attach(meta_module(str(same)), CacheSpec(model=str(same)), socket=agent.socket).close()  # same bytes, other path
     changed = write_llama_checkpoint(str(tmp_path / "other" / os.path.basename(model)), SHAPE, seed=0, shards=2)
-    with pytest.raises(FingerprintMismatch, match=r"revision: cache=\w+ engine=\w+") as err:
+    with pytest.raises(FingerprintMismatch, match=r"content: cache=\w+ engine=\w+") as err:
         attach(meta_module(changed), CacheSpec(model=changed), socket=agent.socket)
-    assert set(err.value.differences) == {"revision"}
-    renamed = shutil.copytree(model, tmp_path / "qwen-7b")
-    with pytest.raises(FingerprintMismatch, match="model: cache=tiny-llama engine=qwen-7b"):
-        attach(meta_module(str(renamed)), CacheSpec(model=str(renamed)), socket=agent.socket)
+    assert set(err.value.differences) == {"content"}
+    renamed = shutil.copytree(model, tmp_path / "qwen-7b")  # the name is no part of the identity
+    with attach(meta_module(str(renamed)), CacheSpec(model=str(renamed)), socket=agent.socket) as att:
+        assert att.source == "agent"
 
 
 def test_fallback_loads_from_disk_on_mismatch_or_missing_agent(model, agent, tmp_path):

@@ -5,13 +5,18 @@ Each subcommand imports only what it needs, so `weightcache status` stays fast a
 """
 from __future__ import annotations
 
-import argparse
 import sys
+
+from . import __version__
+from .usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="weightcache", description=__doc__.splitlines()[0])
+    parser = usage_parser("weightcache", __doc__.splitlines()[0],
+                          examples=["weightcache demo", "weightcache agent --help"],
+                          codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
+    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("agent", help="load a model and serve it to engines", add_help=False)
     sub.add_parser("status", help="show what an agent holds and who is attached", add_help=False)
@@ -21,7 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
-        return 0 if argv else 2
+        return EXIT_OK if argv else EXIT_USAGE
+    if argv[0] == "--version":
+        parser.parse_args(argv)  # prints the version and exits 0
     command, rest = argv[0], argv[1:]
     if command == "agent":
         from .serve.agent_main import main as run

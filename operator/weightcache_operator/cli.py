@@ -17,22 +17,38 @@ import argparse
 import logging
 import sys
 
+from weightcache_agent.usage import EXIT_FAILED, parser as usage_parser, refuse
+
 from .config import OperatorConfig
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="weightcache operator", description=__doc__.splitlines()[0])
+    parser = usage_parser(
+        "weightcache operator", __doc__.splitlines()[0],
+        examples=["weightcache operator --kubeconfig ~/.kube/config -n ml",
+                  "weightcache operator --all-namespaces --liveness http://0.0.0.0:8080/healthz"],
+        env={"KUBECONFIG": "credentials outside a pod, when --kubeconfig is not given",
+             "WEIGHTCACHE_AGENT_IMAGE": "default of --agent-image",
+             "WEIGHTCACHE_PRIORITY_CLASS": "default of --priority-class",
+             "WEIGHTCACHE_MODEL_ROOT": "default of --model-root",
+             "WEIGHTCACHE_POLL_INTERVAL": "default of --poll-interval",
+             "WEIGHTCACHE_*": "the other agent settings: see config.OperatorConfig"})
     scope = parser.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", action="append", dest="namespaces", default=[],
                        metavar="NS", help="watch this namespace (repeatable; globs allowed)")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
     parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else $KUBECONFIG)")
-    parser.add_argument("--context", help="kubeconfig context")
-    parser.add_argument("--agent-image", help="default agent image (env WEIGHTCACHE_AGENT_IMAGE)")
-    parser.add_argument("--priority-class", help="agent pods' priority class, '' for none (env WEIGHTCACHE_PRIORITY_CLASS)")
-    parser.add_argument("--model-root", help="host directory with the models (env WEIGHTCACHE_MODEL_ROOT)")
-    parser.add_argument("--poll-interval", type=float, help="seconds between agent polls (env WEIGHTCACHE_POLL_INTERVAL)")
-    parser.add_argument("--liveness", metavar="URL", help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--context", help="kubeconfig context (default: the kubeconfig's current one)")
+    parser.add_argument("--agent-image", help="default agent image (default: $WEIGHTCACHE_AGENT_IMAGE, else the "
+                                              "release's image)")
+    parser.add_argument("--priority-class", help="agent pods' priority class, '' for none (default: "
+                                                 "$WEIGHTCACHE_PRIORITY_CLASS, else the configured one)")
+    parser.add_argument("--model-root", help="host directory with the models (default: $WEIGHTCACHE_MODEL_ROOT, "
+                                             "else the configured one)")
+    parser.add_argument("--poll-interval", type=float, help="seconds between agent polls (default: "
+                                                            "$WEIGHTCACHE_POLL_INTERVAL, else the configured one)")
+    parser.add_argument("--liveness", metavar="URL", help="serve kopf's liveness probe, e.g. "
+                                                          "http://0.0.0.0:8080/healthz (default: none)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
@@ -58,10 +74,14 @@ def main(argv: list[str]) -> int:
 
     # kopf and the kubernetes client are imported only here: the rest of the
     # `weightcache` command does not need them installed.
-    import kopf
+    try:
+        import kopf
 
-    from .handlers import build_registry, build_settings
-    from .kube import load_client_configuration
+        from .handlers import build_registry, build_settings
+        from .kube import load_client_configuration
+    except ModuleNotFoundError as e:
+        return refuse("weightcache operator", f"needs the {e.name} package, which is not installed: install the "
+                      "operator extra, pip install 'weightcache[operator]'", EXIT_FAILED)
 
     # Fail fast on missing credentials; kopf would retry the login forever.
     try:

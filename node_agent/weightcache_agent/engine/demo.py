@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import WeightCacheError
+from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
 
 log = logging.getLogger("weightcache.demo")
 
@@ -319,9 +320,12 @@ def _print_summary(console: Console, s: dict[str, Any]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache demo",
-                                description="Load a model once, attach two engines in milliseconds, kill the primary, "
-                                            "watch the standby take over. No GPU or cluster needed.")
+    p = usage_parser("weightcache demo",
+                     "Load a model once, attach two engines in milliseconds, kill the primary, watch the standby take "
+                     "over. No GPU or cluster needed.",
+                     examples=["weightcache demo", "weightcache demo --size small --backend cpu --json"],
+                     env={"XDG_CACHE_HOME": "where the default --dir lives ($XDG_CACHE_HOME/weightcache/demo)"},
+                     codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
     p.add_argument("--size", choices=tuple(SIZES), default="medium",
                    help="demo model size: " + ", ".join(f"{k} ({v.description})" for k, v in SIZES.items()))
     p.add_argument("--dir", help=f"where the demo checkpoint is cached (default: {default_cache_dir()})")
@@ -334,8 +338,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def writable_dir_problem(flag: str, path: str) -> str | None:
+    """Why the demo cannot write under `path` (creating it if need be), or None."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return f"cannot create {flag} {path}: {e.strerror or e}; pass a writable directory with {flag}"
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        return f"{flag} {path} is not a writable directory; pass a writable directory with {flag}"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    for flag, path in (("--dir", args.dir or default_cache_dir()), ("--run-dir", args.run_dir)):
+        problem = path and writable_dir_problem(flag, path)
+        if problem:
+            return refuse("weightcache demo", problem, EXIT_USAGE)
     console = Console(quiet=args.json)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     created_run_dir = args.run_dir is None

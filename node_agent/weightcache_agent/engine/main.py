@@ -11,19 +11,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 
 from ..errors import WeightCacheError
 from ..logs import configure
+from ..serve.agent_main import add_quantization_flag
 from ..spec import DTYPE_CHOICES
+from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser
 
 log = logging.getLogger("weightcache.engine")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache engine",
-                                description="Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.")
+    p = usage_parser(
+        "weightcache engine", "Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.",
+        examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
+                  "curl -s localhost:8000/generate -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"],
+        env={"WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
+             "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
+             "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
+             "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)"},
+        codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
                                     "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
@@ -36,18 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hot-standby group: a standby takes over when its group's primary dies (default: $WEIGHTCACHE_GROUP)")
     p.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on SIGTERM, how long requests in flight may take to finish")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP address ('0.0.0.0' for every IPv4 address)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, see --port-file)")
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--quantization", default="none", help="none | fp8-block")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the agent serves")
+    p.add_argument("--tp-rank", type=int, default=0, help="this engine's rank")
+    add_quantization_flag(p)
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="dtype of the weights (auto: the checkpoint's)")
     p.add_argument("--max-context", type=int, help="prompt + new tokens limit (default: the model's)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound for a request's max_tokens")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
-    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines for people or collectors")
+    p.add_argument("--log-level", choices=("debug", "info", "warning"), default="info", help="least severe level logged")
     return p
 
 
@@ -111,4 +121,6 @@ def main(argv: list[str]) -> int:
     server.shutdown()
     server.server_close()
     engine.close()
+    if code == 0 and stop.signal == signal.SIGINT:
+        return EXIT_INTERRUPTED
     return code

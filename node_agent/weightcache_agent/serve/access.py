@@ -89,8 +89,13 @@ def prepare_dir(directory: str, policy: SocketPolicy) -> None:
     parent = os.path.dirname(directory.rstrip("/")) or "/"
     try:
         if not os.path.isdir(directory):
-            if os.path.exists(parent) and not os.path.isdir(parent):
-                raise AccessError(f"cannot create socket directory {directory}: {parent} is not a directory")
+            if os.path.lexists(directory):
+                raise AccessError(f"cannot create socket directory {directory}: a file is in the way; choose a "
+                                  "socket path in a directory (or remove the file)")
+            blocker = _file_in_the_way(parent)
+            if blocker is not None:
+                raise AccessError(f"cannot create socket directory {directory}: {blocker} is not a directory; choose "
+                                  "a socket path in a directory")
             os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
             os.chmod(directory, DIR_MODE)
             if policy.gid is not None:
@@ -110,6 +115,26 @@ def prepare_dir(directory: str, policy: SocketPolicy) -> None:
                           "who could remove the agent's lock and state files: make it 0750")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise AccessError(f"socket directory {directory} is not writable by the agent")
+
+
+def _file_in_the_way(path: str) -> str | None:
+    """The nearest existing ancestor of `path` (itself included) when it is not a directory."""
+    while path and path != "/":
+        if os.path.lexists(path):
+            return None if os.path.isdir(path) else path
+        path = os.path.dirname(path)
+    return None
+
+
+def check_not_a_file(path: str) -> None:
+    """Refuse a socket path where something other than a socket already is: never unlink a user's file."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):  # nothing there; a file above it is prepare_dir's to name
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a file"
+        raise AccessError(f"socket path {path} is {kind}, not a socket: choose another --socket (or remove it)")
 
 
 def bind_socket(path: str, policy: SocketPolicy, backlog: int = 128) -> socket.socket:

@@ -45,7 +45,8 @@ from ..arena.devices import Device
 from ..load.plan import LoadProgress
 from ..load.loader import LoadedCache, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
 from ..spec import CacheSpec
-from .access import AccessError, SocketPolicy, bind_socket, check_socket_path, peer_groups, prepare_dir, read_private, write_private
+from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
+                     read_private, write_private)
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,7 @@ class Agent:
     def bind(self) -> None:
         """Claim the socket path; `AccessError` (one line) when path, directory or lock say no."""
         check_socket_path(self.socket_path)
+        check_not_a_file(self.socket_path)
         prepare_dir(os.path.dirname(self.socket_path), self.policy)
         lock_path = sidecar_path(self.socket_path, "lock")
         try:

@@ -3,28 +3,43 @@
 With `--socket` this process is one agent serving one rank; with `--socket-dir` it is the
 node supervisor (supervisor.py), which runs one `--socket` agent per rank as a worker.
 
-Exit status: 0 after a clean shutdown, 1 when the checkpoint, memory or the socket's
-place says no (path too long, directory unusable), 2 for a refused spec (bad flag, refused
-quantization method), 3 when another agent already serves the socket.
+Exit status: 0 after a clean shutdown (SIGTERM), 1 when the checkpoint, memory or the
+socket's place says no (model directory missing, path too long, directory unusable), 2 for
+a refused spec (bad flag, refused quantization method, bad environment variable), 3 when
+another agent already serves the socket, 130 after Ctrl-C (SIGINT). Everything a person
+can get wrong is checked before the socket is bound or a directory created.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 from typing import Any
 
 from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
+from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, CacheSpec
+from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
 
 log = logging.getLogger("weightcache.agent")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="weightcache agent", description="Load a model once and serve it zero-copy to engines.")
+    p = usage_parser(
+        "weightcache agent", "Load a model once and serve it zero-copy to engines.",
+        examples=["weightcache agent --model /models/llama-3-8b --socket /run/weightcache/llama.sock",
+                  "weightcache agent --model /models/qwen --socket-dir /run/weightcache/qwen --tp-size 2 "
+                  "--quantization fp8-block"],
+        env={"WEIGHTCACHE_SOCKET_GROUP": "default of --socket-group",
+             "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
+             "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
+             "NODE_NAME": "default of --node-name (node mode)",
+             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)"},
+        codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", help="Unix socket path to serve one rank on")
@@ -45,13 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto")
-    p.add_argument("--quantization", default="none", help="none | fp8-block")
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--sharding", help="sharding preset name or YAML rules file")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="dtype of the served weights (auto: the checkpoint's)")
+    add_quantization_flag(p)
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size: ranks the weights are split over")
+    p.add_argument("--tp-rank", type=int, default=0, help="the rank this agent serves (with --socket)")
+    p.add_argument("--sharding", help="sharding preset name or YAML rules file (default: chosen from config.json)")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
-    p.add_argument("--revision", help="revision label shown in status")
+    p.add_argument("--revision", help="revision label, part of the fingerprint: an engine that names another "
+                                      "revision is refused")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its first complete request")
     p.add_argument("--socket-group", default=os.environ.get("WEIGHTCACHE_SOCKET_GROUP") or None,
@@ -65,20 +82,55 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-pods", choices=("auto", "on", "off"), default="auto",
                    help="on a promotion, label the engine's pod weightcache.io/serving=true through the API server "
                         "(auto: when running in a cluster; rank 0 only)")
-    p.add_argument("--log-format", choices=("text", "json"), default="text")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines for people or collectors")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     return p
+
+
+def add_quantization_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quantization", type=quantization_arg, choices=ALLOWED, default="none",
+                   help="none: the checkpoint's dtype; fp8-block: block-scaled FP8, quantized on load or taken "
+                        "from an FP8 checkpoint (what 'fp8' means here)")
+
+
+def preflight(args: argparse.Namespace) -> str | None:
+    """The first mistake in the flags and environment that no load could survive, or None.
+
+    Checked before a socket is bound or a directory made: a mistake leaves nothing behind.
+    """
+    from ..load.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES
+
+    direct = os.environ.get(DIRECT_IO_ENV, "").strip().lower()
+    if direct and direct not in DIRECT_IO_MODES:
+        return (f"${DIRECT_IO_ENV}={os.environ[DIRECT_IO_ENV]!r} is not a mode: set it to one of "
+                f"{', '.join(DIRECT_IO_MODES)}, or unset it")
+    return None
+
+
+def model_problem(path: str) -> str | None:
+    """Why `path` cannot be a checkpoint directory, or None."""
+    if not os.path.exists(path):
+        return f"model directory not found: {path}: pass the checkpoint directory (*.safetensors + config.json) with --model"
+    if not os.path.isdir(path):
+        return f"--model {path} is a file, not a directory: pass the directory that holds it"
+    return None
 
 
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_format)
+    problem = preflight(args)
+    if problem:
+        return refuse("weightcache agent", problem, EXIT_USAGE)
     if args.socket_dir is not None:
         from .supervisor import run_node
 
         return run_node(args, parser)
+    problem = model_problem(args.model)
+    if problem:
+        return refuse("weightcache agent", problem, EXIT_FAILED)
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
@@ -137,11 +189,13 @@ def main(argv: list[str]) -> int:
     agent.close()
     if failure:
         e = failure[0]
-        print(f"weightcache agent: {e}" if isinstance(e, WeightCacheError) else f"weightcache agent: load failed: {e!r}",
-              file=sys.stderr)
-        return 1
+        return refuse("weightcache agent", str(e) if isinstance(e, WeightCacheError) else
+                      f"load failed: {type(e).__name__}: {e}", EXIT_FAILED)
+    if stop.signal == signal.SIGINT:
+        log.info("interrupted (Ctrl-C); shut down")
+        return EXIT_INTERRUPTED
     log.info("shut down cleanly")
-    return 0
+    return EXIT_OK
 
 
 def _serving_label_writer(mode: str) -> Any:

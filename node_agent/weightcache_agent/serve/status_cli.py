@@ -1,25 +1,38 @@
-"""`weightcache status`: ask an agent what it holds and who is attached."""
+"""`weightcache status`: ask an agent what it holds and who is attached.
+
+Imports the base modules only, never torch: a status call takes a fraction of a second.
+The socket comes from --socket, else $WEIGHTCACHE_SOCKET, as for `weightcache engine`.
+"""
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
+import os
 import sys
 
 from ..protocol import agent_status
 from ..errors import WeightCacheError
+from ..usage import EXIT_FAILED, EXIT_USAGE, parser as usage_parser, refuse
+
+ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="weightcache status", description="Show an agent's cache and its clients.")
-    p.add_argument("--socket", required=True)
+    p = usage_parser("weightcache status", "Show an agent's cache and its clients.",
+                     examples=["weightcache status --socket /run/weightcache/llama.sock",
+                               "WEIGHTCACHE_SOCKET=/run/weightcache/llama.sock weightcache status --json"],
+                     env={ENV_SOCKET: "the agent's socket, when --socket is not given"})
+    p.add_argument("--socket", default=os.environ.get(ENV_SOCKET) or None,
+                   help=f"the agent's Unix socket (default: ${ENV_SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
+    if not args.socket:
+        return refuse("weightcache status", f"which agent? pass --socket PATH or set ${ENV_SOCKET}", EXIT_USAGE)
     try:
         status = agent_status(args.socket)
     except WeightCacheError as e:
-        print(f"weightcache status: {e}", file=sys.stderr)
-        return 1
+        return refuse("weightcache status", f"{e} (is the agent running? start one with weightcache agent)",
+                      EXIT_FAILED)
     status.pop("type", None)
     if args.json:
         json.dump(status, sys.stdout, indent=2)

@@ -600,5 +600,8 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         supervisor.run(stop)
     finally:
         server.close()
+    if stop.signal == signal.SIGINT:
+        log.info("interrupted (Ctrl-C); shut down")
+        return 130  # 128 + SIGINT, as a shell reports it
     log.info("shut down cleanly")
     return 0

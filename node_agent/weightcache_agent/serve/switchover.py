@@ -12,7 +12,6 @@ pod) and the node supervisor's `POST /switchover` (the operator, with the contro
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ from typing import Any
 
 from .. import protocol
 from ..errors import WeightCacheError
+from ..usage import parser as usage_parser
 
 
 def switch_rank(socket_path: str, group: str, to_pod: str | None = None, to_pid: int | None = None,
@@ -65,12 +65,16 @@ def sockets_in(socket_dir: str, devices: list[str] | None = None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="weightcache switchover",
-                                description="Hand a group's primary role to one of its standbys, on every rank.")
+    p = usage_parser("weightcache switchover", "Hand a group's primary role to one of its standbys, on every rank.",
+                     examples=["weightcache switchover --socket /run/weightcache/llama.sock --group ml/chat-0 "
+                               "--to-pod chat-0-b",
+                               "weightcache switchover --socket-dir /run/weightcache/c-1a2b --devices GPU-aa,GPU-bb "
+                               "--group ml/chat-0 --to-pid 4242 --json"])
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", action="append", help="an agent socket (repeat in rank order for TP > 1)")
     where.add_argument("--socket-dir", help="every socket in this directory (or those of --devices, in order)")
-    p.add_argument("--devices", help="comma list of device UUIDs, rank order (with --socket-dir)")
+    p.add_argument("--devices", help="comma list of device UUIDs, rank order (with --socket-dir; default: every "
+                                     "socket in the directory, sorted)")
     p.add_argument("--group", required=True, help="the lease group (an EngineSet group: NAMESPACE/ENGINESET-INDEX)")
     target = p.add_mutually_exclusive_group(required=True)
     target.add_argument("--to-pod", help="the standby's pod name")
