@@ -109,7 +109,7 @@ def test_dra_pod_carries_the_contract() -> None:
     for c in (engine, sidecar):
         assert c["resources"]["claims"] == [{"name": "weightcache-gpus"}]
         env = env_of(c)
-        assert env["WEIGHTCACHE_SOCKET_DIR"] == "/run/weightcache/ml/qwen"
+        assert env["WEIGHTCACHE_SOCKET_DIR"] == "/run/weightcache/ml.qwen.27a2e89b93"
         assert env["WEIGHTCACHE_DEVICES"] == "GPU-a2,GPU-a3"
         assert env["WEIGHTCACHE_GROUP"] == "ml/chat-1"
         assert env["WEIGHTCACHE_ROLE"] == "auto"  # the template's "primary" is replaced: the agent decides
@@ -117,7 +117,7 @@ def test_dra_pod_carries_the_contract() -> None:
         assert env["WEIGHTCACHE_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert env["WEIGHTCACHE_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
         assert "NVIDIA_VISIBLE_DEVICES" not in env
-        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml/qwen"} in c["volumeMounts"]
+        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml.qwen.27a2e89b93"} in c["volumeMounts"]
         assert {"name": "weightcache-models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     assert env_of(engine)["LOG"] == "1"
     # The device plugin's GPU count goes (the claim brings the GPUs); everything else stays.
@@ -125,7 +125,7 @@ def test_dra_pod_carries_the_contract() -> None:
                                    "claims": [{"name": "weightcache-gpus"}]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["cache"] == {"name": "cache", "emptyDir": {}}
-    assert volumes["weightcache-sockets"]["hostPath"] == {"path": "/run/weightcache/ml/qwen", "type": "Directory"}
+    assert volumes["weightcache-sockets"]["hostPath"] == {"path": "/run/weightcache/ml.qwen.27a2e89b93", "type": "Directory"}
     assert volumes["weightcache-models"]["hostPath"] == {"path": "/models", "type": "Directory"}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     # The template itself is not modified by rendering.

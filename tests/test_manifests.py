@@ -20,7 +20,9 @@ from weightcache_operator.manifests import (
     ANNOTATION_SPEC_HASH,
     agent_args,
     render_daemonset,
+    SocketPathTooLong,
     render_sharding_configmap,
+    socket_dir,
 )
 from weightcache_operator.spec import parse_spec
 
@@ -81,7 +83,7 @@ def test_agent_command_line_contract() -> None:
     assert container(ds)["args"] == [
         "agent",
         "--model", "/models/meta-llama/Llama-3.1-70B-Instruct",
-        "--socket-dir", "/run/weightcache/ml/llama",
+        "--socket-dir", "/run/weightcache/ml.llama.94fdbd1837",
         "--tp-size", "8",
         "--devices", "all",
         "--quantization", "fp8-block",
@@ -114,10 +116,10 @@ def test_daemonset_runs_privileged_agents_on_every_gpu_node() -> None:
     assert ps["automountServiceAccountToken"] is True
     assert "hostNetwork" not in ps and "hostPID" not in ps and "hostIPC" not in ps
     volumes = {v["name"]: v for v in ps["volumes"]}
-    assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml/llama", "type": "DirectoryOrCreate"}
+    assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml.llama.94fdbd1837", "type": "DirectoryOrCreate"}
     assert volumes["models"]["hostPath"] == {"path": "/models", "type": "Directory"}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml/llama"
+    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml.llama.94fdbd1837"
     assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/models"
     assert ds["spec"]["selector"]["matchLabels"] == {
         "app.kubernetes.io/name": "weightcache-agent", "weightcache.io/cache": "llama"}
@@ -239,3 +241,14 @@ def test_config_from_env_matches_chart_names() -> None:
         OperatorConfig.from_env({"WEIGHTCACHE_MODEL_ROOT": "relative/path"})
     with pytest.raises(ValueError):
         OperatorConfig.from_env({"WEIGHTCACHE_AGENT_PRIVILEGED": "maybe"})
+
+
+def test_socket_paths_fit_a_unix_socket_address_whatever_the_names() -> None:
+    longest = socket_dir("n" * 63, "x" * 253)  # the longest namespace and object name Kubernetes allows
+    assert len(f"{longest}/GPU-{'0' * 8}-{'0' * 4}-{'0' * 4}-{'0' * 4}-{'0' * 12}.sock") <= 107
+    assert longest.startswith("/run/weightcache/nnnnnnnnnnnn.xxxxxxxxxxxxxxxx.")
+    # Cut names alike, caches apart: the hash of the full pair tells them apart.
+    assert socket_dir("team", "llama-3-70b-instruct-a") != socket_dir("team", "llama-3-70b-instruct-b")
+    assert socket_dir("a.b", "c") != socket_dir("a", "b.c")
+    with pytest.raises(SocketPathTooLong, match="at most 107 bytes"):
+        socket_dir("ml", "llama", root="/var/lib/" + "k" * 50)

@@ -127,7 +127,7 @@ async def test_create_renders_owned_daemonset_and_rolls_up_agent_state(cluster: 
             assert condition(wc, "Ready")["reason"] == "Starting"
             assert all(c["observedGeneration"] == 1 for c in wc["status"]["conditions"])
             assert wc["status"]["daemonSet"] == "llama-agent"
-            assert wc["status"]["socketDir"] == "/run/weightcache/default/llama"
+            assert wc["status"]["socketDir"] == "/run/weightcache/default.llama.a99b609c1e"
 
             await daemonset_controller(cluster, "llama", desired=2)
             await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))

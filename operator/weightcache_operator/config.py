@@ -17,8 +17,8 @@ from collections.abc import Mapping
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 DEFAULT_MODEL_ROOT = "/models"
-# The socket root is part of the contract with engine pods (they mount
-# <socket root>/<namespace>/<name>), so it is a constant, not a value.
+# The socket root is part of the contract with engine pods (they mount the cache's
+# directory under it, `manifests.socket_dir`), so it is a constant, not a value.
 SOCKET_ROOT = "/run/weightcache"
 AGENT_HTTP_PORT = 9464
 

@@ -8,8 +8,8 @@ What one WeightCache ``<ns>/<name>`` becomes:
 
 - DaemonSet ``<name>-agent``: one privileged agent per selected GPU node running
   ``weightcache agent ...`` (the agent's command-line contract, see ``agent_args``),
-  all GPUs visible, the socket directory ``/run/weightcache/<ns>/<name>`` from the
-  host (engine pods on the node mount the same directory to attach), the model root
+  all GPUs visible, the socket directory (``socket_dir``: short by construction, so
+  every ``<dir>/GPU-<UUID>.sock`` fits a Unix socket address) from the host (engine pods on the node mount the same directory to attach), the model root
   (host path) or the PVC mounted read-only at ``/models``;
 - ConfigMap ``<name>-sharding``, only when the spec has explicit sharding rules,
   mounted as ``/etc/weightcache/sharding.yaml``;
@@ -72,9 +72,32 @@ def configmap_name(name: str) -> str:
     return f"{name}-sharding"
 
 
-def socket_dir(namespace: str, name: str) -> str:
-    """Host (and container) directory with the agent's per-GPU sockets."""
-    return f"{SOCKET_ROOT}/{namespace}/{name}"
+# A Unix socket address holds 107 bytes; the longest socket name an agent makes in the
+# directory is a device's: "GPU-" or "MIG-" + a 36-character UUID + ".sock".
+MAX_SOCKET_PATH = 107
+MAX_SOCKET_NAME = len("GPU-00000000-0000-0000-0000-000000000000.sock")
+
+
+class SocketPathTooLong(ValueError):
+    """A socket directory whose sockets would not fit an AF_UNIX address."""
+
+
+def socket_dir(namespace: str, name: str, root: str = SOCKET_ROOT) -> str:
+    """Host (and container) directory with the agent's per-GPU sockets, short by construction.
+
+    ``<root>/<ns>.<name>.<hash>``: the namespace and name cut to 12 and 16 characters (for
+    people reading the host), then 10 hex digits of a hash of the full pair (what keeps two
+    caches apart). At most 57 bytes under the default root, whatever the names' lengths
+    (a namespace may have 63 characters, a name 253), so every device socket fits with room
+    to spare. The full names are in the WeightCache's status (``socketDir``).
+    """
+    digest = hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:10]
+    directory = f"{root.rstrip('/')}/{namespace[:12]}.{name[:16]}.{digest}"
+    if len(directory.encode()) + 1 + MAX_SOCKET_NAME > MAX_SOCKET_PATH:
+        raise SocketPathTooLong(
+            f"socket directory {directory} leaves no room for device sockets: Unix socket paths hold at most "
+            f"{MAX_SOCKET_PATH} bytes and a device socket name takes {MAX_SOCKET_NAME + 1}; use a shorter socket root")
+    return directory
 
 
 def selector_labels(name: str) -> dict[str, str]:
