@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -30,10 +31,12 @@ def cluster(module_supervisor, llama_checkpoint, qwen2_checkpoint):  # noqa: F81
     # Started now so that their imports overlap with the rest; their tests come later.
     off = sup.start_engine(llama_checkpoint, "off", mode="off")
     orphan = sup.start_engine(llama_checkpoint, "orphan", socket=sup.run_dir + "/none.sock")
+    # Asks for other weights than the agent holds (float16 of a bfloat16 cache) and may fall back: a cache miss.
+    miss = sup.start_engine(llama_checkpoint, "miss", socket=llama_agent.socket, extra=["--fallback", "--dtype", "float16"])
     llama_agent.wait_ready()
     qwen_agent.wait_ready()
     engine.wait_state(lambda h: h["ready"], what="readiness")
-    return SimpleNamespace(llama=llama_agent, qwen=qwen_agent, engine=engine, off=off, orphan=orphan)
+    return SimpleNamespace(llama=llama_agent, qwen=qwen_agent, engine=engine, off=off, orphan=orphan, miss=miss)
 
 
 def reference_tokens(model_dir: str, tokens: list[int], max_tokens: int) -> list[int]:
@@ -205,3 +208,21 @@ def test_tensor_parallel_rank_builds_and_attaches_its_shard(qwen2_checkpoint, qu
             assert torch.equal(attn.k_proj.weight, full_model.model.layers[0].self_attn.k_proj.weight[32 * rank: 32 * (rank + 1)])
         with pytest.raises(NotImplementedError, match="tensor-parallel"):
             model(torch.tensor([PROMPT]))
+
+
+def test_a_cache_miss_is_logged_counted_and_exposed(cluster):
+    engine = cluster.miss
+    health = engine.wait_state(lambda h: h["state"] == "serving", what="serving")
+    assert health["source"] == "disk"
+    assert "FingerprintMismatch" in health["cache_miss"] and "dtype: cache=bfloat16 engine=float16" in health["cache_miss"]
+    with urllib.request.urlopen(engine.url + "/metrics", timeout=30) as reply:
+        metrics = reply.read().decode()
+    assert "\nweightcache_engine_cache_misses_total 1\n" in metrics
+    assert 'weightcache_engine_weights_source{source="disk"} 1' in metrics
+    _, healthy = cluster.engine.get("/healthz")
+    with urllib.request.urlopen(cluster.engine.url + "/metrics", timeout=30) as reply:
+        assert "\nweightcache_engine_cache_misses_total 0\n" in reply.read().decode()
+    assert healthy["cache_miss"] is None
+    assert any("WARNING" in line and "cache miss for tiny-llama" in line and "dtype: cache=bfloat16 engine=float16" in line
+               for line in engine.log().splitlines()), engine.log_tail()
+    assert cluster.llama.status()["misses"] >= 1

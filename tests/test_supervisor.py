@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -205,6 +206,25 @@ def test_two_ranks_ready_status_and_metrics(node):
     assert m["weightcache_attach_seconds_count"][rank_labels(1)] == 0
     assert 0 < m["weightcache_attach_seconds_sum"][rank_labels(0)] < 5
     assert m["weightcache_attach_seconds_bucket"][rank_labels(0)[:1] + (("le", "+Inf"),) + rank_labels(0)[1:]] == 1
+
+
+def test_a_cache_miss_is_counted_on_the_rank_that_refused(node, caplog):
+    status = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+    sock = status["ranks"][1]["socket"]
+    with caplog.at_level(logging.WARNING, logger="weightcache_agent.client.session"):
+        _, attachment = load_model(CacheSpec(model=node.model, tp_size=2, tp_rank=1, dtype="float16"), mode="client",
+                                   socket=sock, fallback=True)
+    attachment.close()
+    assert attachment.source == "disk"
+    assert "dtype: cache=bfloat16 engine=float16" in attachment.fallback_reason
+    assert any(r.levelno == logging.WARNING and "cache miss" in r.getMessage() and "dtype: cache=bfloat16" in
+               r.getMessage() for r in caplog.records), caplog.text
+    assert agent_status(sock)["misses"] == 1
+    deadline = time.monotonic() + 10
+    while (m := node.metrics())["weightcache_attach_misses_total"][rank_labels(1)] < 1:
+        assert time.monotonic() < deadline, m["weightcache_attach_misses_total"]
+        time.sleep(0.1)
+    assert m["weightcache_attach_misses_total"][rank_labels(0)] == 0
 
 
 def test_killed_worker_is_restarted(node):

@@ -62,6 +62,8 @@ class Attachment:
                  on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None,
                  rejoin_token: str | None = None):
         self.source = source  # "agent" or "disk"
+        # Why the weights came from disk although an agent was asked (attach with fallback=True); None otherwise.
+        self.fallback_reason: str | None = None
         self.fingerprint = fingerprint
         self.fields = fields
         self.bytes = nbytes
@@ -209,9 +211,13 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
-        log.warning("attach through %s failed (%s: %s); loading from disk instead (fallback=True)", socket,
-                    type(e).__name__, e or "no detail")
-        return _attach_from_disk(module, spec, strict)
+        reason = f"{type(e).__name__}: {e or 'no detail'}"
+        # A miss costs a full disk load: say so where engines' logs are read, not only on a terminal.
+        log.warning("cache miss for %s: attach through %s failed (%s); loading from disk instead (fallback=True)",
+                    model_name(spec.model), socket, reason)
+        att = _attach_from_disk(module, spec, strict)
+        att.fallback_reason = reason
+        return att
 
 
 def socket_from_env(rank: int = 0) -> str:

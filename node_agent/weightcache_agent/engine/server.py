@@ -222,10 +222,26 @@ class Engine:
             "attach_seconds": att.seconds if att else None,
             "bytes": att.bytes if att else 0,
             "fingerprint": att.fingerprint if att else None,
+            "cache_miss": att.fallback_reason if att else None,
             "agent_connected": bool(att and att.agent_alive),
             "uptime_seconds": time.monotonic() - self.started,
             "requests": self.requests,
         }
+
+    def metrics_text(self) -> str:
+        """Prometheus text: where the weights came from, and cache misses (disk loads after a failed attach)."""
+        att = self.attachment
+        misses = int(att is not None and att.fallback_reason is not None)
+        lines = ["# HELP weightcache_engine_cache_misses_total Attaches that fell back to a disk load (fallback=True)",
+                 "# TYPE weightcache_engine_cache_misses_total counter",
+                 f"weightcache_engine_cache_misses_total {misses}",
+                 "# HELP weightcache_engine_weights_source Where this engine's weights came from (1 for the source)",
+                 "# TYPE weightcache_engine_weights_source gauge"]
+        lines += [f'weightcache_engine_weights_source{{source="{source}"}} {int(att is not None and att.source == source)}'
+                  for source in ("agent", "disk")]
+        lines += ["# HELP weightcache_engine_requests_total Generate requests served",
+                  "# TYPE weightcache_engine_requests_total counter", f"weightcache_engine_requests_total {self.requests}"]
+        return "\n".join(lines) + "\n"
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -307,10 +323,13 @@ class _Handler(BaseHTTPRequestHandler):
                 self._reply(200, {"ready": True, "role": engine.role})
             else:
                 self._reply(503, {"ready": False, "role": engine.role, "reason": engine.not_ready_reason()})
+        elif path == "/metrics":
+            self._reply_text(200, self.engine.metrics_text(), "text/plain; version=0.0.4")
         elif path == "/generate":
             self._reply(405, {"error": "use POST /generate"}, allow="POST")
         else:
-            self._reply(404, {"error": f"no such endpoint {path!r}; try POST /generate, GET /healthz, GET /readyz"})
+            self._reply(404, {"error": f"no such endpoint {path!r}; try POST /generate, GET /healthz, GET /readyz, "
+                                       "GET /metrics"})
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
@@ -364,9 +383,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def _reply(self, status: int, payload: dict[str, Any], **headers: str) -> None:
-        data = json.dumps(payload).encode()
+        self._reply_text(status, json.dumps(payload), "application/json", **headers)
+
+    def _reply_text(self, status: int, text: str, content_type: str, **headers: str) -> None:
+        data = text.encode()
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for key, value in headers.items():
             self.send_header(key.capitalize(), value)

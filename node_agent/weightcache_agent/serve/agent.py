@@ -131,6 +131,7 @@ class Agent:
         self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
+        self.misses = 0  # attaches refused because this cache cannot serve what was asked (fingerprint, failed load)
         self._ready = threading.Event()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
@@ -336,6 +337,7 @@ class Agent:
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,
             "attaches": self.attaches,
+            "misses": self.misses,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
@@ -476,6 +478,8 @@ class Agent:
                 with self._lock:
                     self._waiting -= 1
         if self.cache is None:
+            with self._lock:
+                self.misses += 1
             protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
             return None
         try:
@@ -497,7 +501,10 @@ class Agent:
             return None
         diff = differences(self.cache.fields, fields)
         if diff:
-            log.warning("refused attach from pid=%s: fingerprint differs in %s", peer, ", ".join(diff))
+            with self._lock:
+                self.misses += 1
+            log.warning("refused attach from pid=%s: fingerprint differs in %s", peer,
+                        ", ".join(f"{k} (cache={c} engine={e})" for k, (c, e) in diff.items()))
             protocol.send_message(conn, protocol.error_message(
                 "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
             return None

@@ -95,15 +95,19 @@ class _StatusCollector:
                                   labels=RANK_LABELS)
         restarts = CounterMetricFamily("weightcache_worker_restarts", "Times the supervisor restarted this rank's "
                                        "worker", labels=RANK_LABELS)
+        misses = CounterMetricFamily("weightcache_attach_misses", "Attaches this rank refused because it holds other "
+                                     "weights than asked (fingerprint) or failed to load: each one an engine's disk "
+                                     "load when it falls back", labels=RANK_LABELS)
         for r in ranks:
             labels = [str(r["rank"]), r["device"]]
+            misses.add_metric(labels, r.get("misses", 0))
             resident.add_metric(labels, r["bytes"])
             clients.add_metric(labels, r["clients"])
             if r.get("loadSeconds") is not None:
                 load.add_metric(labels, r["loadSeconds"])
             ready.add_metric(labels, 1.0 if r["phase"] == "Ready" else 0.0)
             restarts.add_metric(labels, r["restarts"])
-        return [resident, clients, load, ready, restarts]
+        return [resident, clients, load, ready, restarts, misses]
 
 
 class _Server(ThreadingHTTPServer):

@@ -335,6 +335,7 @@ class Worker:
             "loadSeconds": float(load_seconds) if isinstance(load_seconds, (int, float)) else None,
             "fingerprint": status.get("fingerprint") or "",
             "attaches": int(status.get("attaches") or 0),
+            "misses": int(status.get("misses") or 0),
             # Who holds this rank: the operator makes pod labels follow these roles.
             "leases": [_lease_summary(c) for c in (status.get("clients") or [])[:MAX_LEASES_IN_STATUS]],
         }
