@@ -1,5 +1,6 @@
-"""Everything is in pyproject.toml except two optional C extensions: the attach loop
-(`_bindfast`) and the CPU block-FP8 quantizer (`_fp8cpu`).
+"""Everything is in pyproject.toml except three optional C extensions: the attach loop
+(`_bindfast`), the message for a write to a read-only weight (`_rofault`) and the CPU
+block-FP8 quantizer (`_fp8cpu`).
 
 `optional=True`: without a C compiler the install still succeeds, and attach and the
 loader use their torch paths (same bytes, more time).
@@ -8,6 +9,8 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("weightcache_agent.client._bindfast", ["node_agent/weightcache_agent/client/_bindfast.c"],
+              extra_compile_args=["-O2", "-Wall"], optional=True),
+    Extension("weightcache_agent.client._rofault", ["node_agent/weightcache_agent/client/_rofault.c"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
     Extension("weightcache_agent.load._fp8cpu", ["node_agent/weightcache_agent/load/_fp8cpu.c"],
               # no FP traps: lets the compiler vectorise the conversion (it computes both rounding cases)

@@ -4,7 +4,8 @@ The agent creates a memfd, reserves its pages up front (so running out of memory
 error at plan time, not a SIGBUS mid-load), fills it through a writable mapping, then
 drops that mapping and seals the memfd against writes, growth and shrinking. From then
 on nobody -- not the agent, not a buggy engine holding the fd -- can change the bytes:
-engines map it PROT_READ and a write through a tensor faults in that engine alone.
+engines map it PROT_READ and a write through a tensor faults in that engine alone (or,
+mapped copy-on-write with `map_private`, gets that engine a private copy of the page).
 The memory lives as long as any process holds the fd or a mapping, so engines keep
 serving if the agent dies.
 """
@@ -136,3 +137,17 @@ def map_readonly(fd: int, size: int) -> torch.Tensor:
         # torch warns that the buffer is not writable: that is the point.
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+def map_private(fd: int, size: int) -> torch.Tensor:
+    """Map an arena fd copy-on-write (MAP_PRIVATE, writable) as one uint8 tensor.
+
+    Reads share the arena's pages with every other engine; the first write to a page gives
+    this process a private copy of that page (4 KiB), so a caller that rewrites every weight
+    pays the arena's size again in its own memory. The arena never changes: it is sealed
+    against writes, which forbids shared writable mappings, not private ones.
+    """
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise OSError(f"arena fd holds {actual} bytes but the manifest says {size}")
+    return torch.frombuffer(mmap.mmap(fd, size, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE), dtype=torch.uint8)

@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from .. import protocol
-from ..arena.cpu import map_readonly
+from ..arena.cpu import map_private, map_readonly
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
+from .readonly import guard
 from .rebind import bind_manifest
 from ..spec import CacheSpec
 
@@ -182,7 +183,7 @@ class Attachment:
 def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: str = "client", fallback: bool = False,
            role: str | None = None, group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
            strict: bool = True, timeout: float = 600.0,
-           on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
+           on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
@@ -194,11 +195,16 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's entry of
     `$WEIGHTCACHE_DEVICES`. role ("primary", "standby", or "auto": primary when the group
     has none) and group default to `$WEIGHTCACHE_ROLE` (else "primary") and `$WEIGHTCACHE_GROUP`.
+
+    The weights are read-only: a write to one kills the process with a message naming the
+    cause. copy_on_write=True (cpu backend) maps them privately instead, for engines that
+    change weights in place: each page written costs a private 4 KiB copy (up to the whole
+    model's size again), untouched pages stay shared.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode == "off":
-        return _attach_from_disk(module, spec, strict)
+        return _attach_from_disk(module, spec, strict, copy_on_write)
     socket = socket or socket_from_env(spec.tp_rank)
     role = role or os.environ.get(ENV_ROLE) or "primary"
     group = group or os.environ.get(ENV_GROUP) or None
@@ -207,7 +213,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
             conn = _connect_or_start(socket, spec, timeout)
         else:
             conn = protocol.connect(socket)
-        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote)
+        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, copy_on_write)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
@@ -215,7 +221,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         # A miss costs a full disk load: say so where engines' logs are read, not only on a terminal.
         log.warning("cache miss for %s: attach through %s failed (%s); loading from disk instead (fallback=True)",
                     model_name(spec.model), socket, reason)
-        att = _attach_from_disk(module, spec, strict)
+        att = _attach_from_disk(module, spec, strict, copy_on_write)
         att.fallback_reason = reason
         return att
 
@@ -269,7 +275,7 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
                  on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
-                 on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
+                 on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False) -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
@@ -292,7 +298,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                 isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
-        tensors = _bind_over(reply, fds, module, strict)
+        tensors = _bind_over(reply, fds, module, strict, copy_on_write)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -313,12 +319,15 @@ def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[
     return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
 
 
-def map_arena(manifest: dict[str, Any], fds: list[int]) -> torch.Tensor:
+def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = False) -> torch.Tensor:
     """The agent's arena (from a manifest reply and its fds), mapped read-only as one uint8 tensor."""
     arena = manifest["arenas"][0]
     backend = manifest.get("backend", "cpu")
     if backend == "cpu":
-        return map_readonly(fds[0], arena["size"])
+        return _map_cpu(fds[0], arena["size"], copy_on_write)
+    if copy_on_write:
+        raise AttachError(f"copy_on_write is for the cpu backend; the agent serves {str(backend)[:16]!r}, whose "
+                          "weights are read-only: clone a tensor before changing it")
     if backend == "cuda":
         from ..arena.cuda import map_readonly_cuda
 
@@ -326,9 +335,18 @@ def map_arena(manifest: dict[str, Any], fds: list[int]) -> torch.Tensor:
     raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
 
 
-def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
+    if copy_on_write:
+        return map_private(fd, size)
+    base = map_readonly(fd, size)
+    guard(base)  # a write into it: a message naming the cause, not a bare SIGSEGV
+    return base
+
+
+def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
+               copy_on_write: bool = False) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
-    base = map_arena(manifest, fds)
+    base = map_arena(manifest, fds, copy_on_write)
     try:
         return bind_manifest(module, base, manifest["tensors"], strict)
     except AttachError:
@@ -337,11 +355,11 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
         raise ProtocolError(f"malformed manifest: {e}") from None
 
 
-def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool) -> Attachment:
+def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_write: bool = False) -> Attachment:
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
-        base = map_readonly(loaded.arena.fd, loaded.layout.size)
+        base = _map_cpu(loaded.arena.fd, loaded.layout.size, copy_on_write)
         tensors = bind_manifest(module, base, loaded.layout.to_manifest(), strict)
     finally:
         loaded.arena.close()  # the mapping keeps the memory
