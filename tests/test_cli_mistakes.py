@@ -51,6 +51,13 @@ def test_a_missing_model_is_named_before_anything_is_created(tmp_path):
     assert not (tmp_path / "run").exists()  # no socket directory, no socket: checked first
 
 
+def test_the_engine_checks_its_model_and_environment_before_listening(tmp_path):
+    out = weightcache("engine", "--model", str(tmp_path / "nowhere"), "--mode", "off")
+    one_line(out, EXIT_FAILED, "weightcache engine", "model directory not found")
+    out = weightcache("engine", "--model", str(tmp_path), "--mode", "off", env={"WEIGHTCACHE_DIRECT_IO": "yes"})
+    one_line(out, EXIT_USAGE, "weightcache engine", "$WEIGHTCACHE_DIRECT_IO='yes'")
+
+
 def test_a_socket_path_under_a_file(model, tmp_path):
     (tmp_path / "file").write_text("")
     one_line(agent(model, str(tmp_path / "file" / "a.sock")), EXIT_FAILED, "weightcache agent",

@@ -17,9 +17,9 @@ import threading
 
 from ..errors import WeightCacheError
 from ..logs import configure
-from ..serve.agent_main import add_quantization_flag
+from ..serve.agent_main import add_quantization_flag, model_problem, preflight
 from ..spec import DTYPE_CHOICES
-from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser
+from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser, refuse
 
 log = logging.getLogger("weightcache.engine")
 
@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
         env={"WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
-             "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)"},
+             "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
+             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
@@ -70,6 +71,12 @@ def main(argv: list[str]) -> int:
         parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    problem = preflight(args)
+    if problem:
+        return refuse("weightcache engine", problem, EXIT_USAGE)
+    problem = model_problem(args.model)
+    if problem:
+        return refuse("weightcache engine", problem, EXIT_FAILED)
 
     import torch  # after flag checks: a typo costs no torch import
 

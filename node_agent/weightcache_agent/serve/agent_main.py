@@ -99,10 +99,12 @@ def preflight(args: argparse.Namespace) -> str | None:
 
     Checked before a socket is bound or a directory made: a mistake leaves nothing behind.
     """
+    if not os.environ.get("WEIGHTCACHE_DIRECT_IO", "").strip():
+        return None  # the common case: no import of the loader (and torch) just to check nothing
     from ..load.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES
 
     direct = os.environ.get(DIRECT_IO_ENV, "").strip().lower()
-    if direct and direct not in DIRECT_IO_MODES:
+    if direct not in DIRECT_IO_MODES:
         return (f"${DIRECT_IO_ENV}={os.environ[DIRECT_IO_ENV]!r} is not a mode: set it to one of "
                 f"{', '.join(DIRECT_IO_MODES)}, or unset it")
     return None
