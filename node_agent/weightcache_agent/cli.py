@@ -45,7 +45,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.parse_args(argv)  # prints the usage error and exits 2
         return 2
-    return run(rest)
+    try:
+        return run(rest)
+    except KeyboardInterrupt:  # Ctrl-C before a command's own handler was installed (imports, flag checks)
+        print(f"\nweightcache {command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
