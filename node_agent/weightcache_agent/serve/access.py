@@ -126,6 +126,17 @@ def _file_in_the_way(path: str) -> str | None:
     return None
 
 
+def check_socket_place(path: str) -> None:
+    """Every check on a socket path that changes nothing on disk: length, what is there, what is above it."""
+    check_socket_path(path)
+    check_not_a_file(path)
+    directory = os.path.dirname(path) or "."
+    blocker = _file_in_the_way(directory)
+    if blocker is not None:
+        what = "a file is in the way" if blocker == directory else f"{blocker} is not a directory"
+        raise AccessError(f"cannot create socket directory {directory}: {what}; choose a socket path in a directory")
+
+
 def check_not_a_file(path: str) -> None:
     """Refuse a socket path where something other than a socket already is: never unlink a user's file."""
     try:

@@ -144,8 +144,13 @@ def main(argv: list[str]) -> int:
         print(f"weightcache agent: bad spec: {e}", file=sys.stderr)
         return 2
 
-    from .access import AccessError, SocketPolicy
-    from .agent import Agent  # after the spec checks: refusals stay instant
+    from .access import AccessError, SocketPolicy, check_socket_place
+
+    try:
+        check_socket_place(args.socket)
+    except AccessError as e:
+        return refuse("weightcache agent", str(e), EXIT_FAILED)
+    from .agent import Agent  # after the spec and path checks: refusals stay instant
     from .stop import StopFlag
 
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
