@@ -29,19 +29,18 @@ INTERVAL_ENV = "WEIGHTCACHE_PROGRESS_INTERVAL"
 DEFAULT_INTERVAL = 5.0
 
 
-def log_interval() -> float:
-    """Seconds between progress lines, from `WEIGHTCACHE_PROGRESS_INTERVAL` (default 5)."""
+def log_interval(default: float = DEFAULT_INTERVAL) -> float:
+    """Seconds between progress lines, from `WEIGHTCACHE_PROGRESS_INTERVAL` (else `default`)."""
     raw = os.environ.get(INTERVAL_ENV, "").strip()
     if not raw:
-        return DEFAULT_INTERVAL
+        return default
     try:
         value = float(raw)
     except ValueError:
         value = -1.0
     if not value >= 0:  # also NaN
-        log.warning("%s=%r is not a number of seconds >= 0; logging load progress every %.0fs", INTERVAL_ENV, raw,
-                    DEFAULT_INTERVAL)
-        return DEFAULT_INTERVAL
+        log.warning("%s=%r is not a number of seconds >= 0; using %gs", INTERVAL_ENV, raw, default)
+        return default
     return value
 
 
