@@ -201,7 +201,7 @@ def drop_page_cache(directory: str) -> bool:
 def _progress_bar(console: Console, total: int) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="      agent loading", file=sys.stderr,
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="      agent starting", file=sys.stderr,
                 disable=not console.bars, leave=False, bar_format="{desc} {bar} {n_fmt}/{total_fmt} {rate_fmt}")
 
 
@@ -271,6 +271,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         latest: dict[str, Any] = {}
 
         def seen(s: dict[str, Any]) -> None:
+            if s["phase"] != latest.get("phase"):
+                bar.set_description_str(f"      agent {s['phase']}", refresh=False)
             latest.update(s)
             bar.update(s["progress"]["bytes_done"] - bar.n)
 
