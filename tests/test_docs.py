@@ -83,3 +83,20 @@ def test_readme_shows_every_subcommand_and_the_install_pages():
     for needed in ("download.pytorch.org/whl/cpu", "helm-sdkpy", "POST /generate", "docs/install.md",
                    "docs/engines.md", "docs/troubleshooting.md", "WEIGHTCACHE_PROGRESS_INTERVAL"):
         assert needed in readme, needed
+
+
+def test_chart_tests_fail_in_ci_without_helm_sdkpy(tmp_path):
+    """What the README promises: where `CI` is set, a missing helm-sdkpy fails the chart's
+    lint tests instead of skipping them (on a laptop they skip)."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "helm_sdkpy.py").write_text("raise ImportError('helm-sdkpy is not installed here')\n")
+    env = dict(os.environ, CI="true", PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_helm_lint_passes",
+                           str(ROOT / "tests" / "test_chart.py")], capture_output=True, text=True, env=env, timeout=120,
+                          cwd=ROOT)
+    tail = done.stdout[-2000:]
+    assert done.returncode == 1 and "failed" in tail and "skipped" not in tail, tail
+    assert "helm-sdkpy is not installed here" in done.stdout
