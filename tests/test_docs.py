@@ -54,8 +54,9 @@ def test_pages_speak_of_the_product_only(page):
 
 def test_attach_docstring_covers_every_argument():
     doc = inspect.getdoc(attach)
+    # each argument described as `name: ...` (or `name=value ...`) somewhere in the text
     missing = [name for name in inspect.signature(attach).parameters
-               if not re.search(rf"^{name}:", doc, re.MULTILINE)]
+               if not re.search(rf"(^|\s){name}[:=]", doc, re.MULTILINE)]
     assert missing == []
 
 
