@@ -22,6 +22,7 @@ from weightcache_agent import agent_status
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.load.progress import INTERVAL_ENV, LoadProgress, log_interval
+from weightcache_agent.serve.status_cli import render
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 # ~130 MB of bf16: quantizing it to fp8-block takes long enough for several lines at 10 ms
@@ -37,13 +38,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "tiny"), SHAPE)
 
 
-def _wait_loaded(socket: str, proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+def _wait_loaded(socket: str, proc: subprocess.Popen, seen: list[dict], timeout: float = 60.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
             status = agent_status(socket)
             if status["phase"] in ("ready", "failed"):
                 return status
+            seen.append(status)
         except AgentUnavailable:
             pass
         time.sleep(0.02)
@@ -58,7 +60,8 @@ def test_agent_without_a_terminal_logs_periodic_progress_lines(model, tmp_path):
                              "--quantization", "fp8-block"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True, env=env)
     try:
-        status = _wait_loaded(socket, proc)
+        loading: list[dict] = []
+        status = _wait_loaded(socket, proc, loading)
         assert status["phase"] == "ready", status["error"]
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -83,6 +86,12 @@ def test_agent_without_a_terminal_logs_periodic_progress_lines(model, tmp_path):
     assert int(summary.group(1)) == sources and summary.group(2) == lines[0].group(2)
     assert int(summary.group(3)) == status["tensors"] and summary.group(4) == resident_gib
     assert re.search(rf"loading \S+: reading {sources} source tensors, {GIB} -> {status['tensors']} tensors", err)
+    # `weightcache status` words it the same way, during the load (when a poll caught it) and after
+    assert re.search(rf"RESIDENT +[\d.]+ MiB in {status['tensors']} tensors \(fp8-block\)", render(status))
+    for during in (s for s in loading if s["phase"] == "loading" and s["progress"]["bytes_total"]):
+        text = render(during)
+        assert f"in {status['tensors']} tensors, once loaded (fp8-block)" in text
+        assert re.search(rf"read [\d.]+ \w+/[\d.]+ MiB, \d+/{sources} source tensors", text), text
     progress = status["progress"]
     assert progress["tensors_total"] == sources and progress["tensors_resident"] == status["tensors"]
     assert progress["bytes_resident"] == status["bytes"] and progress["quantization"] == "fp8-block"
