@@ -67,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: when running in a cluster; rank 0 only)")
     p.add_argument("--log-format", choices=("text", "json"), default="text")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help="progress bar on stderr (auto: when stderr is a terminal)")
+                   help="progress bar on stderr (auto: when stderr is a terminal); without a bar, a log line every "
+                        "$WEIGHTCACHE_PROGRESS_INTERVAL seconds (default 5; 0: none)")
     return p
 
 
