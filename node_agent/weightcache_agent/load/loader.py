@@ -216,6 +216,8 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
     except BaseException:
         arena.close()
         raise
+    finally:
+        progress.finish()  # also when the fill never started: the progress lines stop with the load
     loaded = loaded_from(prepared, arena, time.monotonic() - t0)
     log.info("loaded %s: read %d source tensors, %s -> %s in %.2fs (dtype %s)", checkpoint.directory,
              progress.tensors_total, gib(progress.bytes_total), progress.target(), loaded.load_seconds,
