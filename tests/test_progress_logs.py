@@ -121,3 +121,19 @@ def test_bar_and_lines_name_read_and_resident_apart(capsys, caplog):
     assert line.endswith("100/201 source tensors -> 355 tensors, 1.15 GiB resident (fp8-block)")
     bar = capsys.readouterr().err
     assert "reading" in bar and "100/201 source tensors" in bar
+
+
+def test_lines_stop_when_the_load_ends(caplog):
+    import threading
+
+    progress = LoadProgress()
+    with caplog.at_level(logging.INFO, logger="weightcache_agent.load.progress"):
+        progress.start(100, 2, show_bar=False, log_every=0.01, what="m")
+        progress.advance(50, tensors=1)
+        time.sleep(0.1)
+        progress.finish()
+        logged = len(caplog.records)
+        time.sleep(0.05)
+    assert logged >= 2 and len(caplog.records) == logged
+    assert caplog.records[0].getMessage().startswith("loading m: read 0.00 GiB of 0.00 GiB (50%)")
+    assert not any(t.name == "progress" and t.is_alive() for t in threading.enumerate())
