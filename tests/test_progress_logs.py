@@ -21,7 +21,7 @@ import pytest
 from weightcache_agent import agent_status
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.checkpoint import open_checkpoint
-from weightcache_agent.load.progress import INTERVAL_ENV, LoadProgress, log_interval
+from weightcache_agent.load.progress import INTERVAL_ENV, LoadProgress, interval_problem, log_interval
 from weightcache_agent.serve.status_cli import render
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -107,7 +107,13 @@ def test_interval_comes_from_the_environment(monkeypatch, caplog):
     monkeypatch.setenv(INTERVAL_ENV, "soon")
     with caplog.at_level(logging.WARNING):
         assert log_interval() == 5.0
-    assert f"{INTERVAL_ENV}='soon' is not a number of seconds" in caplog.text
+    assert f"${INTERVAL_ENV}='soon' is not a number of seconds" in caplog.text
+    assert interval_problem() == (f"${INTERVAL_ENV}='soon' is not a number of seconds: set it to one like 5 "
+                                  "(0: no progress lines), or unset it")
+    monkeypatch.setenv(INTERVAL_ENV, "-1")
+    assert interval_problem() is not None and log_interval() == 5.0
+    monkeypatch.setenv(INTERVAL_ENV, "0.5")
+    assert interval_problem() is None
 
 
 def test_bar_and_lines_name_read_and_resident_apart(capsys, caplog):
@@ -137,3 +143,14 @@ def test_lines_stop_when_the_load_ends(caplog):
     assert logged >= 2 and len(caplog.records) == logged
     assert caplog.records[0].getMessage().startswith("loading m: read 0.00 GiB of 0.00 GiB (50%)")
     assert not any(t.name == "progress" and t.is_alive() for t in threading.enumerate())
+
+
+def test_agent_refuses_an_unusable_interval_before_binding(model, tmp_path):
+    socket = tmp_path / "agent.sock"
+    done = subprocess.run([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket", str(socket)],
+                          capture_output=True, text=True, timeout=60, env=dict(os.environ, **{INTERVAL_ENV: "soon"}))
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        f"weightcache agent: ${INTERVAL_ENV}='soon' is not a number of seconds: set it to one like 5 "
+        "(0: no progress lines), or unset it"]
+    assert list(tmp_path.iterdir()) == []  # nothing bound, no lock file

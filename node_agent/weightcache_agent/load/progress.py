@@ -29,19 +29,31 @@ INTERVAL_ENV = "WEIGHTCACHE_PROGRESS_INTERVAL"
 DEFAULT_INTERVAL = 5.0
 
 
-def log_interval(default: float = DEFAULT_INTERVAL) -> float:
-    """Seconds between progress lines, from `WEIGHTCACHE_PROGRESS_INTERVAL` (else `default`)."""
+def interval_problem() -> str | None:
+    """Why `WEIGHTCACHE_PROGRESS_INTERVAL` is unusable, or None (for a command's start-up checks)."""
     raw = os.environ.get(INTERVAL_ENV, "").strip()
     if not raw:
-        return default
+        return None
     try:
-        value = float(raw)
+        if float(raw) >= 0:  # False for NaN too
+            return None
     except ValueError:
-        value = -1.0
-    if not value >= 0:  # also NaN
-        log.warning("%s=%r is not a number of seconds >= 0; using %gs", INTERVAL_ENV, raw, default)
+        pass
+    return f"${INTERVAL_ENV}={raw!r} is not a number of seconds: set it to one like 5 (0: no progress lines), or unset it"
+
+
+def log_interval(default: float = DEFAULT_INTERVAL) -> float:
+    """Seconds between progress lines, from `WEIGHTCACHE_PROGRESS_INTERVAL` (else `default`).
+
+    An unusable value is logged and replaced by `default`: a load is never refused for how
+    often it reports (commands check `interval_problem` at start-up instead).
+    """
+    problem = interval_problem()
+    if problem:
+        log.warning("%s; using %gs", problem, default)
         return default
-    return value
+    raw = os.environ.get(INTERVAL_ENV, "").strip()
+    return float(raw) if raw else default
 
 
 def gib(n: float) -> str:

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..load.progress import interval_problem  # no torch: a refusal stays instant
+
+    if (problem := interval_problem()) is not None:  # before any worker: each would refuse it alike
+        print(f"weightcache agent: {problem}", file=sys.stderr)
+        return 2
     configure(args.log_format)
     if args.socket_dir is not None:
         from .supervisor import run_node
