@@ -57,3 +57,13 @@ def test_demo_refuses_cuda_without_a_gpu_before_any_step(tmp_path):
     assert "[1/6]" not in done.stdout  # no checkpoint written, no disk load timed
     assert not (cache / "llama-small").exists()
     assert time.monotonic() - started < 30
+
+
+def test_demo_refuses_an_unusable_progress_interval_at_once(tmp_path):
+    done = subprocess.run([*DEMO, "--backend", "cpu", "--dir", str(tmp_path / "cache")], capture_output=True, text=True,
+                          timeout=60, env=dict(os.environ, WEIGHTCACHE_PROGRESS_INTERVAL="soon"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "weightcache demo: $WEIGHTCACHE_PROGRESS_INTERVAL='soon' is not a number of seconds: set it to one like 5 "
+        "(0: no progress lines), or unset it"]
+    assert not (tmp_path / "cache" / "llama-small").exists()

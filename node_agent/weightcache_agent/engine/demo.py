@@ -66,12 +66,12 @@ class Console:
     """Step lines for people (bold when stdout is a terminal), or nothing but JSON with --json."""
 
     def __init__(self, quiet: bool):
-        from ..load.progress import log_interval
+        from ..load.progress import interval_problem, log_interval
 
         self.quiet = quiet
         self.color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         self.bars = sys.stderr.isatty() and not quiet
-        self.heartbeat = log_interval(HEARTBEAT)
+        self.heartbeat = HEARTBEAT if interval_problem() else log_interval(HEARTBEAT)  # refused in `preflight`
         self._lock = threading.Lock()  # the heartbeat thread prints too
 
     def style(self, text: str, code: str) -> str:
@@ -205,9 +205,14 @@ def _progress_bar(console: Console, total: int) -> Any:
                 disable=not console.bars, leave=False, bar_format="{desc} {bar} {n_fmt}/{total_fmt} {rate_fmt}")
 
 
-def check_backend(backend: str) -> None:
-    """--backend cuda on a machine without a visible GPU fails now, not after the disk-load step."""
-    if backend != "cuda":
+def preflight(args: argparse.Namespace) -> None:
+    """What would fail a later step fails now: an unusable progress interval (the agent would
+    refuse it), --backend cuda on a machine without a visible GPU (after the disk-load step)."""
+    from ..load.progress import interval_problem
+
+    if (problem := interval_problem()) is not None:
+        raise UsageError(problem)
+    if args.backend != "cuda":
         return
     from ..arena.devices import cuda_available
 
@@ -226,7 +231,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
                 "a hot standby that takes over when the primary dies")
     console.say()
     with console.waiting("importing torch"):
-        check_backend(args.backend)
+        preflight(args)
         from ..serve.process_group import ProcessGroup
     console.step(1, steps, "checkpoint")
     with console.waiting("writing the checkpoint"):
