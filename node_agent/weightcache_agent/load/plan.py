@@ -2,9 +2,10 @@
 
 `loader.plan_tensors` turns a checkpoint and a spec into `PlannedTensor`s (what the arena
 holds and how each tensor gets there); the fill pipelines (`pipeline` for host memory,
-`cuda_fill` for the GPU) consume them and advance one `LoadProgress` (`progress`), which
-the agent's status reads while the load runs. Kept apart so that the loader and its
-pipelines import these, never each other.
+`cuda_fill` for the GPU) consume them and advance one `LoadProgress`, which the agent's
+status reads while the load runs (`progress`, which needs no torch: the agent imports it
+before it knows whether a load will run). Kept apart so that the loader and its pipelines
+import these, never each other.
 """
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import TensorRecord
-from .progress import LoadProgress  # noqa: F401  (the pipelines' import)
+from .progress import LoadProgress
 from .sharding import Shard
+
+__all__ = ["LoadProgress", "PlannedTensor"]
 
 
 @dataclass(frozen=True)

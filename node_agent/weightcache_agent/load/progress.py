@@ -4,7 +4,9 @@ The fill pipelines (`pipeline`, `cuda_fill`) advance one `LoadProgress` from the
 threads; the agent's status reads its counters racily (plain ints). Where a person
 watches a terminal, a tqdm bar draws them; where nobody does (`kubectl logs`, a log
 file, a supervisor's worker) a ticker thread logs one line every few seconds instead, so
-a load of minutes is never silent between "listening" and "loaded".
+a load of minutes is never silent between "listening" and "loaded". Kept apart from the
+plan types (which need torch), and importing nothing heavy, so that an agent serving a
+re-adopted arena reports its progress without importing torch.
 
 Two sizes are kept apart and always named: what is *read* (the source tensors' bytes
 this rank takes from disk, which the bar and the rate count) and what ends *resident*
