@@ -16,6 +16,34 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
 
 @dataclass(frozen=True)
 class CacheSpec:
+    """What one rank's cache holds: the checkpoint, how it is split, and in what form.
+
+    The agent is started from one (`weightcache agent` flags map onto the fields one to
+    one: `agent_args()`); an engine passes one to `attach()`, and a mismatch with what the
+    agent holds raises `FingerprintMismatch` naming each differing field.
+
+    model: the checkpoint directory (`*.safetensors` + `config.json`) as this process
+        sees it. The engine and the agent may see it at different paths: the content is
+        compared, not the directory name.
+    tp_size: tensor-parallel degree (1: unsharded). Each rank's cache holds only its shard.
+    tp_rank: this rank, 0 <= tp_rank < tp_size.
+    quantization: "none", or "fp8-block" (float8_e4m3fn weights in 128x128 blocks, each
+        with a float32 `weight_scale_inv`; quantized at load time, or taken as is from a
+        checkpoint quantized that way). Methods whose effect does not live in the tensors
+        alone (per-tensor FP8, AWQ, GPTQ, Marlin) are refused with the reason.
+    dtype: "auto" (the checkpoint's floating dtype), "bfloat16", "float16" or "float32";
+        floating weights are cast to it at load time.
+    sharding: a preset name or a YAML rules file saying how each tensor splits across
+        ranks; None chooses from `config.json`'s architecture.
+    expert_parallel: place whole experts per rank (mixture-of-experts models) instead of
+        splitting every expert.
+    revision: a label for the weights' version (e.g. a git revision or a date), shown in
+        status and compared on attach: an engine that names one attaches only to an agent
+        started with the same `--revision`.
+
+    Invalid values raise `ValueError` (or `UnsupportedQuantization`) on construction.
+    """
+
     model: str
     tp_size: int = 1
     tp_rank: int = 0

@@ -186,20 +186,53 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
            on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
-    mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
-    "off" loads from disk in-process with the agent's loader. With `fallback=True`, an
-    agent that is missing, mismatched, silent, gone mid-answer or answering garbage means a
-    disk load (with the reason logged) instead of an error.
+    Every parameter and buffer of `module` ends up a read-only view into the agent's
+    arena, zero-copy; the module's own `Parameter` objects take the storage in place.
+    Returns the `Attachment`: keep it referenced while the model serves (it is the lease).
 
-    socket: the agent's socket; default `$WEIGHTCACHE_SOCKET`, else the socket of this
-    rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's entry of
-    `$WEIGHTCACHE_DEVICES`. role ("primary", "standby", or "auto": primary when the group
-    has none) and group default to `$WEIGHTCACHE_ROLE` (else "primary") and `$WEIGHTCACHE_GROUP`.
+    module: the model, built under `torch.device("meta")` with the checkpoint's tensor
+        names and the cache's dtypes. Cache tensors it does not declare (an FP8 layer's
+        `weight_scale_inv`) become buffers. Anything left on meta, or a shape or dtype
+        that differs from the cache's, raises `AttachError` naming each tensor, and then
+        nothing has been swapped.
+    spec: what to attach (`CacheSpec`): model directory, parallelism and rank,
+        quantization, dtype, sharding, revision. The agent must hold exactly this:
+        otherwise `FingerprintMismatch` names every differing field.
+    socket: the agent's Unix socket. Default `$WEIGHTCACHE_SOCKET`, else the socket of
+        this rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's
+        entry of `$WEIGHTCACHE_DEVICES` (what the operator injects into engine pods).
+    mode: "client" (default) attaches to a running agent; "daemon" starts one first if
+        none answers (`weightcache agent` with this spec, logging to `<socket>.log`, left
+        running); "off" loads from disk in-process with the agent's own loader (the
+        same bytes, no sharing).
+    fallback: when True, an agent that is missing, mismatched, silent, gone mid-answer or
+        answering garbage means a disk load, with the reason logged as a warning, instead
+        of an error. `Attachment.source` then says "disk".
+    role: "primary" (serves), "standby" (attached and warm; promoted when the group's
+        primary goes), or "auto" (primary when the group has none). Default
+        `$WEIGHTCACHE_ROLE`, else "primary". A second primary in a group is refused.
+    group: the hot-standby group this engine belongs to; standbys of a group take over
+        from its primary. Default `$WEIGHTCACHE_GROUP`, else none (no failover).
+    on_promote: called as `on_promote(attachment)` on the lease's thread when the agent
+        promotes this standby to primary, before the agent tells anyone it serves: start
+        taking requests here. Keep it short and let nothing escape it: the agent waits
+        for it to return.
+    strict: when False, cache tensors that have nowhere to go in `module` are ignored
+        instead of refused. Shape or dtype disagreements and tensors left on meta are
+        refused either way.
+    timeout: seconds to wait for the agent's answer (default 600: an attach waits for a
+        load in progress) and, in "daemon" mode, for a started agent to answer.
+    on_demote: called as `on_demote(attachment)` when a planned switchover hands this
+        primary's role to another engine of its group: stop taking new requests and
+        finish the ones in flight.
 
-    The weights are read-only: a write to one kills the process with a message naming the
-    cause. copy_on_write=True (cpu backend) maps them privately instead, for engines that
-    change weights in place: each page written costs a private 4 KiB copy (up to the whole
-    model's size again), untouched pages stay shared.
+    copy_on_write: the weights are read-only: a write to one kills the process with a
+        message naming the cause. True (cpu backend) maps them privately instead, for
+        engines that change weights in place: each page written costs a private 4 KiB
+        copy (up to the whole model's size again); untouched pages stay shared.
+    Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
+    `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode` or a socket that
+    neither the argument nor the environment gives.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

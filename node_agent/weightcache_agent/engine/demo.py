@@ -11,15 +11,17 @@ before the demo exits.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from ..errors import WeightCacheError
 from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
@@ -29,6 +31,9 @@ log = logging.getLogger("weightcache.demo")
 GROUP = "demo"
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]  # ids only: the demo model has no tokenizer
 NEW_TOKENS = 12
+# Seconds of quiet after which a waiting step says it is still at it (the agent's
+# WEIGHTCACHE_PROGRESS_INTERVAL, when set, paces these lines too).
+HEARTBEAT = 2.0
 
 
 @dataclass(frozen=True)
@@ -62,22 +67,50 @@ class Console:
     """Step lines for people (bold when stdout is a terminal), or nothing but JSON with --json."""
 
     def __init__(self, quiet: bool):
+        from ..load.progress import interval_problem, log_interval
+
         self.quiet = quiet
         self.color = sys.stdout.isatty() and "NO_COLOR" not in os.environ
         self.bars = sys.stderr.isatty() and not quiet
+        self.heartbeat = HEARTBEAT if interval_problem() else log_interval(HEARTBEAT)  # refused in `preflight`
+        self._lock = threading.Lock()  # the heartbeat thread prints too
 
     def style(self, text: str, code: str) -> str:
         return f"\033[{code}m{text}\033[0m" if self.color else text
 
     def say(self, text: str = "") -> None:
         if not self.quiet:
-            print(text, flush=True)
+            with self._lock:
+                sys.stdout.write(text + "\n")
+                sys.stdout.flush()
 
     def step(self, n: int, total: int, text: str) -> None:
         self.say(self.style(f"[{n}/{total}] ", "1;36") + self.style(text, "1"))
 
     def detail(self, text: str) -> None:
         self.say("      " + text)
+
+    @contextlib.contextmanager
+    def waiting(self, what: str | Callable[[], str]) -> Iterator[None]:
+        """While the block runs, say every few seconds what it is waiting for: a demo is never silent for long."""
+        if self.quiet or self.heartbeat <= 0:
+            yield
+            return
+        stop, started = threading.Event(), time.perf_counter()
+
+        def beat() -> None:
+            while not stop.wait(self.heartbeat):
+                text = what() if callable(what) else what
+                if text:
+                    self.detail(self.style(f"... {text} ({time.perf_counter() - started:.0f} s)", "2"))
+
+        thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
 
 
 def fmt_seconds(s: float) -> str:
@@ -169,19 +202,41 @@ def drop_page_cache(directory: str) -> bool:
 def _progress_bar(console: Console, total: int) -> Any:
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="      agent loading", file=sys.stderr,
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1000, desc="      agent starting", file=sys.stderr,
                 disable=not console.bars, leave=False, bar_format="{desc} {bar} {n_fmt}/{total_fmt} {rate_fmt}")
 
 
-def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    from ..serve.process_group import ProcessGroup
+def preflight(args: argparse.Namespace) -> None:
+    """What would fail a later step fails now: an unusable progress interval (the agent would
+    refuse it), --backend cuda on a machine without a visible GPU (after the disk-load step)."""
+    from ..load.progress import interval_problem
 
+    if (problem := interval_problem()) is not None:
+        raise UsageError(problem)
+    if args.backend != "cuda":
+        return
+    from ..arena.devices import cuda_available
+
+    if not cuda_available():
+        raise UsageError("--backend cuda: no CUDA device is visible to this process (torch.cuda.is_available() is "
+                         "False); run with --backend cpu, or auto to use a GPU only when there is one")
+
+
+class UsageError(WeightCacheError):
+    """A flag this machine cannot honour (exit status 2)."""
+
+
+def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     steps = 6
     console.say(console.style("weightcache demo", "1") + " - weights loaded once, attached in milliseconds, "
                 "a hot standby that takes over when the primary dies")
     console.say()
+    with console.waiting("importing torch"):
+        preflight(args)
+        from ..serve.process_group import ProcessGroup
     console.step(1, steps, "checkpoint")
-    model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)
+    with console.waiting("writing the checkpoint"):
+        model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)
     from ..load.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model_dir)
@@ -195,12 +250,14 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     console.step(2, steps, "disk load in this process (what every engine restart pays without weightcache)")
     cold = drop_page_cache(model_dir)
-    from .server import load_model
-    from ..spec import CacheSpec
+    console.detail("building the model and reading every tensor from disk ...")
+    with console.waiting("loading from disk, then a reference request"):
+        from .server import load_model
+        from ..spec import CacheSpec
 
-    model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
-    disk_seconds = attachment.seconds
-    reference = model.generate(prompt, NEW_TOKENS)
+        model, attachment = load_model(CacheSpec(model=model_dir), mode="off")
+        disk_seconds = attachment.seconds
+        reference = model.generate(prompt, NEW_TOKENS)
     attachment.close()
     del model, attachment
     console.detail(f"{fmt_seconds(disk_seconds)}  ({fmt_bytes(nbytes / disk_seconds)}/s"
@@ -208,15 +265,26 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
     summary: dict[str, Any] = {"model": model_dir, "bytes": nbytes, "disk_load_seconds": disk_seconds,
                                "run_dir": args.run_dir, "pids": {}}
-    with ProcessGroup(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
+    # the outer stack closes after the ProcessGroup: its heartbeat covers the children's shutdown
+    with contextlib.ExitStack() as shutdown, ProcessGroup(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
         console.step(3, steps, "agent: cold load into shared memory (once per node)")
         drop_page_cache(model_dir)
         agent = sup.start_agent(model_dir, backend=args.backend)
         summary["pids"]["agent"] = agent.pid
-        console.detail(f"agent pid {agent.pid}, socket {agent.socket}")
+        console.detail(f"agent pid {agent.pid}, socket {agent.socket}: a new process, it imports torch, reads the "
+                       "checkpoint's headers, then loads")
         bar = _progress_bar(console, nbytes)
+        latest: dict[str, Any] = {}
+
+        def seen(s: dict[str, Any]) -> None:
+            if s["phase"] != latest.get("phase"):
+                bar.set_description_str(f"      agent {s['phase']}", refresh=False)
+            latest.update(s)
+            bar.update(s["progress"]["bytes_done"] - bar.n)
+
         try:
-            status = agent.wait_ready(timeout=args.timeout, on_status=lambda s: bar.update(s["progress"]["bytes_done"] - bar.n))
+            with console.waiting(lambda: "" if console.bars else _agent_phase(latest)):
+                status = agent.wait_ready(timeout=args.timeout, on_status=seen)
         finally:
             bar.close()
         summary["agent_load_seconds"] = status["load_seconds"]
@@ -228,9 +296,12 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         primary = sup.start_engine(model_dir, "primary", socket=agent.socket, group=GROUP, role="primary")
         standby = sup.start_engine(model_dir, "standby", socket=agent.socket, group=GROUP, role="standby")
         summary["pids"].update(primary=primary.pid, standby=standby.pid)
-        console.detail(f"primary pid {primary.pid}, standby pid {standby.pid} (group {GROUP!r})")
-        p_health = primary.wait_state(lambda h: h["ready"], timeout=args.timeout, what="readiness")
-        s_health = standby.wait_serving(timeout=args.timeout)
+        console.detail(f"primary pid {primary.pid}, standby pid {standby.pid} (group {GROUP!r}): each imports torch, "
+                       "builds the model on the meta device and attaches")
+        with console.waiting("engines starting; the primary is not ready yet"):
+            p_health = primary.wait_state(lambda h: h["ready"], timeout=args.timeout, what="readiness")
+        with console.waiting("the standby is still starting"):
+            s_health = standby.wait_serving(timeout=args.timeout)
         summary["attach_seconds"] = {"primary": p_health["attach_seconds"], "standby": s_health["attach_seconds"]}
         console.detail(f"primary attached in {fmt_seconds(p_health['attach_seconds'])} and is ready on {primary.url}")
         console.detail(f"standby attached in {fmt_seconds(s_health['attach_seconds'])}, warm, /readyz 503 until promoted")
@@ -238,7 +309,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
 
         console.step(5, steps, "a request to the primary")
         t0 = time.perf_counter()
-        code, reply = primary.generate(prompt, NEW_TOKENS)
+        with console.waiting("generating"):
+            code, reply = primary.generate(prompt, NEW_TOKENS)
         if code != 200:
             raise WeightCacheError(f"the primary answered {code}: {reply.get('error')}")
         summary["request_seconds"] = time.perf_counter() - t0
@@ -254,9 +326,10 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         summary["same_tokens"] = same
 
         console.step(6, steps, f"SIGKILL the primary (pid {primary.pid}); the agent promotes the standby")
-        failover = _failover(primary, standby, prompt, args.timeout)
-        summary["failover_seconds"] = failover
-        code, again = standby.generate(prompt, NEW_TOKENS)
+        with console.waiting("waiting for the standby's answer"):
+            failover = _failover(primary, standby, prompt, args.timeout)
+            summary["failover_seconds"] = failover
+            code, again = standby.generate(prompt, NEW_TOKENS)
         summary["failover_same_tokens"] = code == 200 and again["tokens"] == reply["tokens"]
         roles = {c["pid"]: c["role"] for c in agent.status()["clients"]}
         console.detail(f"the standby answered {fmt_seconds(failover)} after the kill; agent now lists pid {standby.pid} "
@@ -269,6 +342,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         _print_summary(console, summary)
         console.say()
         console.say("stopping the standby and the agent ...")
+        shutdown.enter_context(console.waiting("stopping"))
     console.say("done: no process or socket left behind.")
     return summary
 
@@ -288,6 +362,17 @@ def _failover(primary: Any, standby: Any, prompt: list[int], timeout: float) -> 
             raise WeightCacheError(f"the standby did not take over within {timeout:.0f}s (last answer {code}: {reply})")
         standby.check_alive()
         time.sleep(0.001)
+
+
+def _agent_phase(status: dict[str, Any]) -> str:
+    """What the agent is doing, from its latest status (none yet: still starting)."""
+    if not status:
+        return "the agent is starting"
+    p = status["progress"]
+    if status["phase"] == "loading" and p["bytes_total"]:
+        return (f"the agent is loading: {p['fraction']:.0%}, {fmt_bytes(p['bytes_done'])} of "
+                f"{fmt_bytes(p['bytes_total'])}, {fmt_bytes(p['bytes_per_second'])}/s")
+    return f"the agent is {status['phase']}"
 
 
 def _gpu_note(backend: str) -> str:
@@ -373,6 +458,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGHUP, interrupt)
     try:
         summary = run(args, console)
+    except UsageError as e:
+        print(f"weightcache demo: {e}", file=sys.stderr)
+        return 2
     except Interrupted as e:
         print(f"\nweightcache demo: {e} received; stopped every process and removed the sockets.", file=sys.stderr)
         return 128 + e.signum

@@ -25,7 +25,8 @@ from ..errors import CheckpointError, OutOfMemory, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import ArenaLayout, lay_out
 from .pipeline import fill_arena
-from .plan import LoadProgress, PlannedTensor
+from .plan import PlannedTensor
+from .progress import LoadProgress, gib, log_interval
 from ..quantization import check_quantization
 from .sharding import (SCALE_SUFFIX, Shard, ShardingPlan, check_heads, config_path, expert_index, expert_owner,
                        fused_parts, resolve_plan, split, whole)
@@ -184,8 +185,13 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
     t0 = time.monotonic() if started is None else started
     plan, layout, checkpoint, spec = prepared.plan, prepared.layout, prepared.checkpoint, prepared.spec
     progress = progress or LoadProgress()
+    # read = this rank's bytes of the source tensors; resident = the arena's tensors after cast / quantization
     progress.start(sum(p.shard.nbytes for p in plan if p.shard is not None),
-                   sum(1 for p in plan if p.source is not None), show_bar)
+                   sum(1 for p in plan if p.source is not None), show_bar,
+                   bytes_resident=layout.nbytes, tensors_resident=len(plan), quantization=spec.quantization,
+                   log_every=0.0 if show_bar else log_interval(), what=_what(checkpoint, spec))
+    log.info("loading %s: reading %d source tensors, %s -> %s", checkpoint.directory, progress.tensors_total,
+             gib(progress.bytes_total), progress.target())
     try:
         if getattr(arena, "backend", "cpu") == "cuda":
             from .cuda_fill import fill_cuda_arena
@@ -210,10 +216,19 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
     except BaseException:
         arena.close()
         raise
+    finally:
+        progress.finish()  # also when the fill never started: the progress lines stop with the load
     loaded = loaded_from(prepared, arena, time.monotonic() - t0)
-    log.info("loaded %s: %d tensors, %.2f GiB in %.2fs (dtype %s)", checkpoint.directory, len(plan),
-             layout.nbytes / 2**30, loaded.load_seconds, resolved_dtype(spec, checkpoint))
+    log.info("loaded %s: read %d source tensors, %s -> %s in %.2fs (dtype %s)", checkpoint.directory,
+             progress.tensors_total, gib(progress.bytes_total), progress.target(), loaded.load_seconds,
+             resolved_dtype(spec, checkpoint))
     return loaded
+
+
+def _what(checkpoint: Checkpoint, spec: CacheSpec) -> str:
+    """The model (and rank, when sharded) a progress line is about: a node's ranks share one log."""
+    name = os.path.basename(os.path.normpath(checkpoint.directory))
+    return f"{name} rank {spec.tp_rank}/{spec.tp_size}" if spec.tp_size > 1 else name
 
 
 def loaded_from(prepared: PreparedCache, arena: Any, seconds: float) -> LoadedCache:

@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(auto: when running in a cluster; rank 0 only)")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines for people or collectors")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
-                   help="progress bar on stderr (auto: when stderr is a terminal)")
+                   help="progress bar on stderr (auto: when stderr is a terminal); without a bar, a log line every "
+                        "$WEIGHTCACHE_PROGRESS_INTERVAL seconds (default 5; 0: none)")
     return p
 
 
@@ -122,6 +123,11 @@ def model_problem(path: str) -> str | None:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from ..load.progress import interval_problem  # no torch: a refusal stays instant
+
+    if (problem := interval_problem()) is not None:  # before any worker: each would refuse it alike
+        print(f"weightcache agent: {problem}", file=sys.stderr)
+        return 2
     configure(args.log_format)
     problem = preflight(args)
     if problem:

@@ -51,12 +51,15 @@ def render(status: dict) -> str:
         ("revision", status.get("revision") or (status.get("fields") or {}).get("revision") or "-"),
         ("fingerprint", status.get("fingerprint") or "-"),
         ("backend", status["backend"]),
-        ("resident", f"{_size(status['bytes'])} in {status['tensors']} tensors"),
+        ("resident", _resident(status)),
     ]
-    if status["phase"] == "loading":
+    if status["phase"] == "loading" and progress["bytes_total"]:
+        # read from disk (source tensors) is counted apart from what ends resident
         eta = progress.get("eta_seconds")
-        rows.append(("progress", f"{progress['fraction']:.0%}  {_size(progress['bytes_done'])}/{_size(progress['bytes_total'])}"
-                                 f"  {_size(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else f"{progress['fraction']:.0%}"))
+        rows.append(("progress", f"{progress['fraction']:.0%}  read {_size(progress['bytes_done'])}/"
+                                 f"{_size(progress['bytes_total'])}, {progress['tensors_done']}/"
+                                 f"{progress['tensors_total']} source tensors"
+                                 + (f"  {_size(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else "")))
     if status.get("load_seconds") is not None:
         rows.append(("load time", f"{status['load_seconds']:.2f}s"))
     rows.append(("clients", str(len(status["clients"]))))
@@ -69,6 +72,18 @@ def render(status: dict) -> str:
             since = datetime.datetime.fromtimestamp(c["attached_at"]).strftime("%Y-%m-%d %H:%M:%S")
             lines.append(f"  {c['pid'] or '-':>8}  {c['role']:<8}  {c['group'] or '-':<12}  {since}")
     return "\n".join(lines)
+
+
+def _resident(status: dict) -> str:
+    """What the arena holds, or will hold once the load in progress ends; with the quantization."""
+    progress, quant = status["progress"], (status.get("spec") or {}).get("quantization") or "none"
+    if status["phase"] in ("starting", "preparing", "adopting", "loading"):
+        if not progress.get("tensors_resident"):  # the plan is not known yet
+            return "-"
+        text = f"{_size(progress['bytes_resident'])} in {progress['tensors_resident']} tensors, once loaded"
+    else:
+        text = f"{_size(status['bytes'])} in {status['tensors']} tensors"
+    return text if quant == "none" else f"{text} ({quant})"
 
 
 def _size(n: float) -> str:
