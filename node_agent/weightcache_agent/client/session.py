@@ -230,6 +230,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         message naming the cause. True (cpu backend) maps them privately instead, for
         engines that change weights in place: each page written costs a private 4 KiB
         copy (up to the whole model's size again); untouched pages stay shared.
+
     Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
     `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode` or a socket that
     neither the argument nor the environment gives.
