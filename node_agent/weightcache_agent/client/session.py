@@ -30,7 +30,7 @@ from ..arena.cpu import map_readonly
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request
 from ..load.loader import load_cache
-from .rebind import bind_manifest
+from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,9 @@ class Attachment:
     restarted agent gets a `rejoin` with this engine's arena fds, which it may adopt
     instead of reading the disk again.
     """
+
+    computed: list[str] = []  # what attach's `materialize` filled instead of binding (see client.materialize)
+    cast: list[str] = []  # small tensors cast to the model's dtype (cast_small=True), "name: from -> to"
 
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
@@ -180,7 +183,9 @@ class Attachment:
 def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: str = "client", fallback: bool = False,
            role: str | None = None, group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
            strict: bool = True, timeout: float = 600.0,
-           on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
+           on_demote: Callable[[Attachment], None] | None = None,
+           materialize: Materialize | Callable[[nn.Module, Pending], None] | None = None,
+           cast_small: bool = False) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     mode: "client" attaches to a running agent; "daemon" starts one first if none answers;
@@ -192,11 +197,29 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     rank's GPU, `$WEIGHTCACHE_SOCKET_DIR/<UUID>.sock` with the UUID the rank's entry of
     `$WEIGHTCACHE_DEVICES`. role ("primary", "standby", or "auto": primary when the group
     has none) and group default to `$WEIGHTCACHE_ROLE` (else "primary") and `$WEIGHTCACHE_GROUP`.
+
+    materialize: fills what the cache does not hold (see `client.materialize`): with it,
+    non-persistent buffers are computed instead of refused, and a `Materialize` may also
+    assemble declared places from cache tensors it claims; a missing persistent weight is
+    still refused by name. cast_small=True casts 1-D tensors (biases, norms) that the model
+    declares in another float dtype than the cache holds (copies; never a weight matrix).
+    The attachment's `computed` and `cast` name what was filled and what was cast.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    adjust = Adjust.of(materialize, cast_small)
+    attachment = _attach(module, spec, socket, mode, fallback, role, group, on_promote, strict, timeout, on_demote,
+                         adjust)
+    if adjust is not None:
+        attachment.computed, attachment.cast = adjust.computed, adjust.cast
+    return attachment
+
+
+def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, fallback: bool, role: str | None,
+            group: str | None, on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
+            on_demote: Callable[[Attachment], None] | None, adjust: Adjust | None) -> Attachment:
     if mode == "off":
-        return _attach_from_disk(module, spec, strict)
+        return _attach_from_disk(module, spec, strict, adjust)
     socket = socket or socket_from_env(spec.tp_rank)
     role = role or os.environ.get(ENV_ROLE) or "primary"
     group = group or os.environ.get(ENV_GROUP) or None
@@ -205,13 +228,13 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
             conn = _connect_or_start(socket, spec, timeout)
         else:
             conn = protocol.connect(socket)
-        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote)
+        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, adjust)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
         log.warning("attach through %s failed (%s: %s); loading from disk instead (fallback=True)", socket,
                     type(e).__name__, e or "no detail")
-        return _attach_from_disk(module, spec, strict)
+        return _attach_from_disk(module, spec, strict, adjust)
 
 
 def socket_from_env(rank: int = 0) -> str:
@@ -263,7 +286,7 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
                  on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
-                 on_demote: Callable[[Attachment], None] | None = None) -> Attachment:
+                 on_demote: Callable[[Attachment], None] | None = None, adjust: Adjust | None = None) -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
@@ -285,7 +308,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                 isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
-        tensors = _bind_over(reply, fds, module, strict)
+        tensors = _bind_over(reply, fds, module, strict, adjust)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -319,23 +342,24 @@ def map_arena(manifest: dict[str, Any], fds: list[int]) -> torch.Tensor:
     raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
 
 
-def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool) -> dict[str, torch.Tensor]:
+def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
+               adjust: Adjust | None = None) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     base = map_arena(manifest, fds)
     try:
-        return bind_manifest(module, base, manifest["tensors"], strict)
+        return bind_adjusted(module, base, manifest["tensors"], strict, adjust)
     except AttachError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
 
 
-def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool) -> Attachment:
+def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, adjust: Adjust | None = None) -> Attachment:
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
         base = map_readonly(loaded.arena.fd, loaded.layout.size)
-        tensors = bind_manifest(module, base, loaded.layout.to_manifest(), strict)
+        tensors = bind_adjusted(module, base, loaded.layout.to_manifest(), strict, adjust)
     finally:
         loaded.arena.close()  # the mapping keeps the memory
     return Attachment(source="disk", fingerprint=loaded.fingerprint, fields=loaded.fields, nbytes=loaded.layout.nbytes,
