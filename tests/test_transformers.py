@@ -1,0 +1,191 @@
+"""transformers models attached from the cache equal `from_pretrained`: bf16 bit for bit, FP8 close.
+
+Tiny random Llama, Qwen2 (q/k/v biases, tied embeddings) and Qwen3-MoE (fused experts)
+checkpoints are written with `save_pretrained` in the test, served by a real agent or the
+in-process loader, and compared on the same token batch with the model transformers
+itself loads. The reference engine serves the MoE model through a real agent. Skipped
+without transformers; the CUDA variants run where a GPU is.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from engine_fixtures import short_run_dir  # noqa: E402
+from weightcache_agent import CacheSpec  # noqa: E402
+from weightcache_agent.errors import AttachError  # noqa: E402
+from weightcache_agent.integrations.transformers import (  # noqa: E402
+    DequantizingFP8Linear, from_cache, greedy_generate)
+from weightcache_agent.serve.process_group import ProcessGroup  # noqa: E402
+
+SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=128)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
+    # 4 experts per layer lie at one stride in the file (zero-copy fused views); 11 do not
+    # (experts.10 sorts before experts.2), so their fused experts are copies.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=128, head_dim=32, num_experts=4,
+                                                     num_experts_per_tok=2),
+    "qwen3_moe_11": lambda: transformers.Qwen3MoeConfig(**SMALL, moe_intermediate_size=128, head_dim=32,
+                                                        num_experts=11, num_experts_per_tok=2),
+}
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    out = {}
+    for n, (name, make) in enumerate(CONFIGS.items()):
+        torch.manual_seed(n)
+        model = transformers.AutoModelForCausalLM.from_config(make(), dtype=torch.bfloat16)
+        with torch.no_grad():  # biases and norms start as 0 and 1: make them matter
+            for pname, p in model.named_parameters():
+                if p.dim() == 1:
+                    p.normal_(1.0 if "norm" in pname else 0.0, 0.5)
+        out[name] = str(tmp_path_factory.mktemp("hf") / name)
+        model.save_pretrained(out[name])
+    return out
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, SMALL["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
+
+
+def reference_logits(directory: str, device: str = "cpu") -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory).to(device).eval()
+    with torch.no_grad():
+        return model(tokens().to(device)).logits
+
+
+def logits(model, device: str = "cpu") -> torch.Tensor:
+    with torch.no_grad():
+        return model(tokens().to(device)).logits
+
+
+def test_llama_through_an_agent_is_from_pretrained_bit_for_bit(checkpoints):
+    directory = checkpoints["llama"]
+    sup = ProcessGroup(short_run_dir())
+    try:
+        agent = sup.start_agent(directory, "llama", backend="cpu")
+        agent.wait_ready()
+        model = from_cache(directory, socket=agent.socket)
+        att = model.weightcache.attachment
+        assert att.source == "agent" and not model.training
+        assert sorted(att.computed) == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
+        assert torch.equal(logits(model), reference_logits(directory))
+        # every weight is a view of the one arena the agent shares: nothing was allocated for them
+        assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+        model.weightcache.close()
+    finally:
+        sup.close()
+
+
+def test_qwen2_biases_and_tied_embeddings(checkpoints):
+    directory = checkpoints["qwen2"]
+    model = from_cache(directory, mode="off")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert model.model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    assert torch.equal(logits(model), reference_logits(directory))
+    assert model.weightcache.attachment.cast == []
+
+
+def test_moe_fused_experts_zero_copy_or_copied(checkpoints):
+    for name, zero_copy in (("qwen3_moe", True), ("qwen3_moe_11", False)):
+        model = from_cache(checkpoints[name], mode="off")
+        report = model.weightcache
+        fused = [f"model.layers.{n}.mlp.experts.{leaf}" for n in range(2) for leaf in ("gate_up_proj", "down_proj")]
+        assert (report.experts_zero_copy, report.experts_copied) == ((fused, []) if zero_copy else ([], fused))
+        experts = model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape == (experts.num_experts, 256, 128)
+        arena = model.model.embed_tokens.weight.untyped_storage().data_ptr()
+        assert (experts.gate_up_proj.untyped_storage().data_ptr() == arena) is zero_copy
+        assert torch.equal(logits(model), reference_logits(checkpoints[name])), name
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3_moe"])
+def test_fp8_block_runs_on_fp8_weights_close_to_bf16(checkpoints, name):
+    directory = checkpoints[name]
+    model = from_cache(CacheSpec(model=directory, quantization="fp8-block"), mode="off")
+    report = model.weightcache
+    proj = model.model.layers[0].self_attn.q_proj
+    assert isinstance(proj, transformers.integrations.finegrained_fp8.FP8Linear)
+    assert proj.weight.dtype == torch.float8_e4m3fn and proj.weight_scale_inv.dtype == torch.float32
+    assert report.fp8_compute == "dequantize" and isinstance(proj, DequantizingFP8Linear)
+    if name == "qwen2":  # FP8Linear declares its bias in float32: cast from the cache's bf16, and said so
+        assert "model.layers.0.self_attn.q_proj.bias: bfloat16 -> float32" in report.attachment.cast
+        assert len(report.attachment.cast) == 2 * 3
+    if name == "qwen3_moe":
+        assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    got, want = logits(model).float(), reference_logits(directory).float()
+    assert torch.isfinite(got).all() and not torch.equal(got, want)  # really quantized
+    cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1), dim=-1)
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean()
+    assert cos.min() > 0.99 and agree >= 0.75, (cos.min(), agree)
+
+
+def test_what_is_refused_is_named(checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "llama-missing"
+    directory.mkdir()
+    src = checkpoints["llama"]
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(open(os.path.join(src, "config.json")).read())
+    with pytest.raises(AttachError, match=r"model.layers.1.mlp.down_proj.weight: still on the meta device"):
+        from_cache(str(directory), mode="off")
+
+    mixtral = tmp_path / "mixtral"
+    transformers.MixtralConfig(**SMALL, num_local_experts=2).save_pretrained(str(mixtral))
+    with pytest.raises(ValueError, match=r"model_type 'mixtral' is not supported yet: transformers renames"):
+        from_cache(str(mixtral), mode="off")
+
+
+def test_the_reference_engine_serves_a_transformers_moe(checkpoints):
+    directory = checkpoints["qwen3_moe"]
+    sup = ProcessGroup(short_run_dir())
+    try:
+        agent = sup.start_agent(directory, "moe", backend="cpu")
+        engine = sup.start_engine(directory, "moe-engine", socket=agent.socket)
+        agent.wait_ready()
+        health = engine.wait_state(lambda h: h["ready"], what="readiness")
+        assert health["source"] == "agent"
+        prompt = [3, 14, 15, 92, 65]
+        status, reply = engine.generate(prompt, 6)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
+        assert status == 200 and reply["tokens"] == greedy_generate(reference, prompt, 6)
+    finally:
+        sup.close()
+
+
+@CUDA
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["qwen2", "qwen3_moe"])
+def test_cuda_agent_bf16_bit_exact_and_fp8(checkpoints, name):
+    directory = checkpoints[name]
+    sup = ProcessGroup(short_run_dir())
+    try:
+        for quantization in ("none", "fp8-block"):
+            agent = sup.start_agent(directory, f"{name}-{quantization}", backend="cuda",
+                                    extra=["--quantization", quantization])
+            agent.wait_ready(120)
+            model = from_cache(CacheSpec(model=directory, quantization=quantization), socket=agent.socket,
+                               device="cuda")
+            assert model.model.embed_tokens.weight.is_cuda and model.model.rotary_emb.inv_freq.is_cuda
+            got, want = logits(model, "cuda"), reference_logits(directory, "cuda")
+            if quantization == "none":
+                assert torch.equal(got, want)
+            else:
+                print(f"{name} fp8 compute: {model.weightcache.fp8_compute}")
+                got, want = got.float(), want.float()
+                cos = torch.nn.functional.cosine_similarity(got.flatten(0, 1), want.flatten(0, 1), dim=-1)
+                assert cos.min() > 0.99 and (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+            model.weightcache.close()
+    finally:
+        sup.close()
