@@ -67,22 +67,35 @@ def logits(model, device: str = "cpu") -> torch.Tensor:
         return model(tokens().to(device)).logits
 
 
-def test_llama_through_an_agent_is_from_pretrained_bit_for_bit(checkpoints):
-    directory = checkpoints["llama"]
+@pytest.fixture(scope="module")
+def moe_agent(checkpoints):
     sup = ProcessGroup(short_run_dir())
     try:
-        agent = sup.start_agent(directory, "llama", backend="cpu")
-        agent.wait_ready()
-        model = from_cache(directory, socket=agent.socket)
-        att = model.weightcache.attachment
-        assert att.source == "agent" and not model.training
-        assert sorted(att.computed) == ["model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"]
-        assert torch.equal(logits(model), reference_logits(directory))
-        # every weight is a view of the one arena the agent shares: nothing was allocated for them
-        assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
-        model.weightcache.close()
+        agent = sup.start_agent(checkpoints["qwen3_moe"], "moe", backend="cpu")
+        yield agent
     finally:
         sup.close()
+
+
+def test_moe_through_an_agent_is_from_pretrained_bit_for_bit(checkpoints, moe_agent):
+    moe_agent.wait_ready()
+    model = from_cache(checkpoints["qwen3_moe"], socket=moe_agent.socket)
+    att = model.weightcache.attachment
+    assert att.source == "agent" and not model.training
+    assert {"model.rotary_emb.inv_freq", "model.rotary_emb.original_inv_freq"} <= set(att.computed)
+    assert torch.equal(logits(model), reference_logits(checkpoints["qwen3_moe"]))
+    # every weight, fused experts included, is a view of the one arena the agent shares
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    model.weightcache.close()
+
+
+def test_llama_is_from_pretrained_bit_for_bit(checkpoints):
+    directory = checkpoints["llama"]
+    model = from_cache(directory, mode="off")
+    assert sorted(model.weightcache.attachment.computed) == ["model.rotary_emb.inv_freq",
+                                                             "model.rotary_emb.original_inv_freq"]
+    assert torch.equal(logits(model), reference_logits(directory))
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
 
 
 def test_qwen2_biases_and_tied_embeddings(checkpoints):
@@ -147,13 +160,12 @@ def test_what_is_refused_is_named(checkpoints, tmp_path):
         from_cache(str(mixtral), mode="off")
 
 
-def test_the_reference_engine_serves_a_transformers_moe(checkpoints):
+def test_the_reference_engine_serves_a_transformers_moe(checkpoints, moe_agent):
     directory = checkpoints["qwen3_moe"]
     sup = ProcessGroup(short_run_dir())
     try:
-        agent = sup.start_agent(directory, "moe", backend="cpu")
-        engine = sup.start_engine(directory, "moe-engine", socket=agent.socket)
-        agent.wait_ready()
+        engine = sup.start_engine(directory, "moe-engine", socket=moe_agent.socket)
+        moe_agent.wait_ready()
         health = engine.wait_state(lambda h: h["ready"], what="readiness")
         assert health["source"] == "agent"
         prompt = [3, 14, 15, 92, 65]
