@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine_fixtures import short_run_dir  # noqa: E402
 from weightcache_agent import CacheSpec  # noqa: E402
+from weightcache_agent.engine.server import load_model  # noqa: E402
 from weightcache_agent.errors import AttachError  # noqa: E402
 from weightcache_agent.integrations.transformers import (  # noqa: E402
     DequantizingFP8Linear, from_cache, greedy_generate)
@@ -25,7 +26,7 @@ from weightcache_agent.serve.process_group import ProcessGroup  # noqa: E402
 SMALL = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=128)
 CONFIGS = {
-    "llama": lambda: transformers.LlamaConfig(**SMALL),
+    "llama": lambda: transformers.LlamaConfig(**SMALL, rope_theta=500.0),  # saved as `rope_parameters`
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     # 4 experts per layer lie at one stride in the file (zero-copy fused views); 11 do not
     # (experts.10 sorts before experts.2), so their fused experts are copies.
@@ -96,6 +97,13 @@ def test_llama_is_from_pretrained_bit_for_bit(checkpoints):
                                                              "model.rotary_emb.original_inv_freq"]
     assert torch.equal(logits(model), reference_logits(directory))
     assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    # the reference engine's own Llama reads transformers 5's config.json (RoPE theta in `rope_parameters`)
+    native, lease = load_model(CacheSpec(model=directory), mode="off")
+    assert native.config.rope_theta == 500.0
+    with torch.inference_mode():
+        got, want = native(tokens()), reference_logits(directory).float()
+    assert torch.allclose(got, want, atol=1e-2) and torch.equal(got.argmax(-1), want.argmax(-1))
+    lease.close()
 
 
 def test_qwen2_biases_and_tied_embeddings(checkpoints):

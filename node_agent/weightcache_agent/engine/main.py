@@ -23,8 +23,10 @@ log = logging.getLogger("weightcache.engine")
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache engine",
-                                description="Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.")
-    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
+                                description="Reference engine that attaches its weights from a weightcache agent: its own "
+                                "Llama/Qwen2/Mistral decoder, any other causal LM through transformers.")
+    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json); a model_type "
+                   "other than llama/qwen2/mistral is served with transformers (the transformers extra)")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
                                     "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
     p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",
