@@ -95,7 +95,7 @@ def from_cache(source: str | CacheSpec, *, socket: str | None = None, mode: str 
                         materialize=materializer(model, report_box), cast_small=True, **attach_args)
     try:
         where = model.get_input_embeddings().weight.device
-        if device is not None and torch.device(device) != where and not _same_device(torch.device(device), where):
+        if device is not None and not _same_device(torch.device(device), where):
             raise AttachError(f"the cache holds {spec.model}'s weights on {where}, not on {torch.device(device)}")
         model.requires_grad_(False)
         report = CacheReport(attachment, experts_zero_copy=report_box["zero_copy"], experts_copied=report_box["copied"])
