@@ -65,7 +65,12 @@ def compute(module: nn.Module, pending: Pending) -> None:
     module.fused = nn.Parameter(torch.stack(parts), requires_grad=False)
 
 
-FUSE = Materialize(fill=compute, claim=lambda name: name.startswith("parts."), places=lambda m: ["fused"])
+def fused_place(module: nn.Module, claimed: list[str]) -> list[str]:
+    assert claimed == ["parts.0.weight", "parts.1.weight"]
+    return ["fused"]
+
+
+FUSE = Materialize(fill=compute, claim=lambda name: name.startswith("parts."), places=fused_place)
 
 
 def test_computed_buffers_and_assembled_places_fill_what_the_cache_lacks(checkpoint):

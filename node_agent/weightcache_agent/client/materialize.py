@@ -55,12 +55,13 @@ class Materialize:
     fill(module, pending): compute `pending.buffers` in place (or re-register them) and
     set every name in `pending.places` (from `pending.claimed`, zero-copy where it can).
     claim(name): True for cache tensors that `fill` consumes instead of the bind.
-    places(module): declared parameters/buffers that `fill` sets (e.g. fused experts).
+    places(module, claimed): declared parameters/buffers that `fill` sets (fused experts,
+    tensors the checkpoint names differently), given the names `claim` took.
     """
 
     fill: Callable[[nn.Module, Pending], None]
     claim: Callable[[str], bool] | None = None
-    places: Callable[[nn.Module], Iterable[str]] | None = None
+    places: Callable[[nn.Module, list[str]], Iterable[str]] | None = None
 
 
 @dataclass
@@ -117,7 +118,8 @@ def _bind(module: nn.Module, base: torch.Tensor, columns: dict[str, list], stric
                 if tensor is not None and tensor.is_meta and name not in in_cache:
                     aside.append((name, owner._buffers, leaf, tensor))
                     buffers.append(name)
-        places = list(dict.fromkeys(mat.places(module))) if mat.places is not None else []
+        claimed_names = claimed_cols["name"] if claimed_cols is not None else []
+        places = list(dict.fromkeys(mat.places(module, claimed_names))) if mat.places is not None else []
         for name in places:
             owner, table, leaf = _place(modules, name)
             aside.append((name, table, leaf, table[leaf]))

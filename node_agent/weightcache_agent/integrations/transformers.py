@@ -52,9 +52,9 @@ from ..load.fingerprint import resolved_dtype
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
+_swap = torch._C._swap_tensor_impl
 
 FP8_COMPUTE = ("auto", "transformers", "dequantize")
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
 @dataclass
@@ -119,38 +119,72 @@ def build_meta(spec: CacheSpec) -> PreTrainedModel:
         config = AutoConfig.from_pretrained(spec.model)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{spec.model}: transformers cannot read its config.json: {e}") from None
-    _check_conversions(spec.model, config.model_type)
     dtype = dtype_from_name(resolved_dtype(spec, open_checkpoint(spec.model)))
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ValueError(f"{spec.model}: model_type {config.model_type!r} is not a causal LM that transformers "
                          f"{transformers.__version__} knows (AutoModelForCausalLM has no class for {type(config).__name__})")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model._weightcache_conversions = Conversions(model, spec.model)
     if spec.quantization == "fp8-block":
         _apply_fp8_layers(model)
     return model
 
 
-# transformers' load-time conversions that `materializer` reproduces: Qwen-style expert fusion.
-_KNOWN_CONVERSIONS = {
-    (("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"), ("mlp.experts.gate_up_proj",)),
-    (("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",)),
-}
+class Conversions:
+    """The checkpoint-name rewrites transformers applies when it loads this model, as the cache maps them.
 
+    Renamings (`WeightRenaming`, e.g. Mixtral's `.block_sparse_moe.` -> `.mlp.`, GPT-NeoX's
+    `embed_out.` -> `lm_head.`) bind the cache tensor to the renamed place, zero-copy. Expert
+    fusions (`WeightConverter` with `MergeModulelist(dim=0)`, then `Concatenate(dim=1)` for two
+    sources) assemble the fused parameter from the per-expert tensors. Any other conversion is
+    refused by name before anything is read.
+    """
 
-def _check_conversions(where: str, model_type: str) -> None:
-    """Refuse, by name, an architecture whose checkpoint names transformers rewrites in ways the cache cannot."""
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:  # another transformers layout: the attach itself names what does not fit
-        return
-    unknown = [f"{', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}"
-               for c in get_checkpoint_conversion_mapping(model_type) or []
-               if (tuple(c.source_patterns), tuple(c.target_patterns)) not in _KNOWN_CONVERSIONS]
-    if unknown:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported yet: transformers renames or converts "
-                         f"its checkpoint tensors when it loads ({'; '.join(unknown)}), and the cache binds them by "
-                         "their checkpoint names")
+    def __init__(self, model: PreTrainedModel, where: str):
+        self.renames: list[Any] = []
+        self.fusions: list[Any] = []
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+        except ImportError:  # another transformers layout: the attach itself names what does not fit
+            return
+        unknown = []
+        for c in get_model_conversion_mapping(model, add_legacy=False):
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in getattr(c, "operations", ())]
+            kind = type(c).__name__
+            if kind == "WeightRenaming" and len(c.target_patterns) == 1:
+                self.renames.append(c)
+            elif kind == "WeightConverter" and len(c.target_patterns) == 1 and all(".*." in p for p in c.source_patterns) \
+                    and ops == [("MergeModulelist", 0)] + ([("Concatenate", 1)] if len(c.source_patterns) > 1 else []):
+                self.fusions.append(c)
+            else:
+                steps = ", ".join(f"{op}(dim={dim})" if dim is not None else op for op, dim in ops)
+                unknown.append(f"{kind} {', '.join(c.source_patterns)} -> {', '.join(c.target_patterns)}"
+                               + (f" by {steps}" if steps else ""))
+        if unknown:
+            raise ValueError(f"{where}: model_type {model.config.model_type!r} is not supported yet: transformers "
+                             f"converts its checkpoint tensors when it loads in a way the cache does not reproduce "
+                             f"({'; '.join(unknown)})")
+
+    def map(self, name: str) -> tuple[str, int, int] | None:
+        """Where checkpoint tensor `name` goes when it is not bound as it is named: (place, expert, part)
+        for a fused expert (part: its position in the concatenation), (place, -1, -1) for a renamed
+        tensor, None for neither."""
+        renamed = name
+        for rename in self.renames:
+            renamed, _ = rename.rename_source_key(renamed)
+        base, suffix = renamed, ""
+        if renamed.endswith("." + fp8.SCALE_SUFFIX):  # FP8 scales follow their weights
+            base, suffix = renamed.removesuffix(fp8.SCALE_SUFFIX) + "weight", "_scale_inv"
+        for fusion in self.fusions:
+            target, pattern = fusion.rename_source_key(base)
+            if pattern is None:
+                continue
+            expert = re.search(re.escape(pattern.lstrip(".")).replace(r"\*", r"(\d+)") + "$", base)
+            if expert is None or not target.endswith(fusion.target_patterns[0].lstrip(".")):
+                continue
+            return target + suffix, int(expert.group(1)), fusion.source_patterns.index(pattern)
+        return (renamed, -1, -1) if renamed != name else None
 
 
 # -- FP8 ----------------------------------------------------------------------------------------
@@ -233,24 +267,31 @@ def _is_fused_experts(module: nn.Module) -> bool:
 
 
 def materializer(model: PreTrainedModel, report: dict[str, list[str]]) -> Materialize:
-    """Non-persistent buffers computed as transformers computes them; fused experts assembled."""
-    experts = {name: module for name, module in model.named_modules() if _is_fused_experts(module)}
+    """Non-persistent buffers computed as transformers computes them; renamed tensors bound where
+    transformers puts them; fused experts assembled from the per-expert tensors."""
+    conversions: Conversions = model._weightcache_conversions
+    mapped: dict[str, tuple[str, int, int]] = {}
 
     def claim(name: str) -> bool:
-        m = _EXPERT.match(name)
-        return m is not None and m.group(1) in experts
+        where = conversions.map(name)
+        if where is not None:
+            mapped[name] = where
+        return where is not None
 
-    def places(module: nn.Module) -> list[str]:
-        out = []
-        for prefix, mod in experts.items():
-            out += [f"{prefix}.{leaf}" for leaf in ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv",
-                                                      "down_proj_scale_inv") if mod._parameters.get(leaf) is not None]
-        return out
+    def places(module: nn.Module, claimed: list[str]) -> list[str]:
+        return [mapped[name][0] for name in claimed]
 
     def fill(module: nn.Module, pending: Pending) -> None:
         _compute_buffers(model, pending)
-        for prefix, mod in experts.items():
-            _fuse_experts(prefix, mod, pending, report)
+        fused: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+        for name, view in pending.claimed.items():
+            place, expert, part = mapped[name]
+            if expert < 0:
+                _bind_renamed(model, place, name, view)
+            else:
+                fused.setdefault(place, {}).setdefault(expert, {})[part] = view
+        for place, experts in fused.items():
+            _fuse(model, place, experts, report)
 
     return Materialize(fill=fill, claim=claim, places=places)
 
@@ -271,36 +312,43 @@ def _compute_buffers(model: PreTrainedModel, pending: Pending) -> None:
             inits[parent]._init_weights(owner)
 
 
-def _fuse_experts(prefix: str, module: nn.Module, pending: Pending, report: dict[str, list[str]]) -> None:
-    count = module._parameters["gate_up_proj"].shape[0]
+def _declared(model: nn.Module, place: str) -> tuple[nn.Module, str, torch.Tensor]:
+    prefix, _, leaf = place.rpartition(".")
+    owner = model.get_submodule(prefix)
+    tensor = owner._parameters.get(leaf)
+    if tensor is None:
+        tensor = owner._buffers.get(leaf)
+    return owner, leaf, tensor
 
-    def take(e: int, proj: str, leaf: str = "weight") -> torch.Tensor:
-        name = f"{prefix}.{e}.{proj}.{leaf}"
-        tensor = pending.claimed.get(name)
-        if tensor is None:
-            raise AttachError(f"cannot attach: {name}: not in the cache ({prefix} declares {count} fused experts)")
-        return tensor
 
-    fp8_scales = module._parameters.get("gate_up_proj_scale_inv") is not None
-    parts = {"gate_up_proj": [[take(e, "gate_proj"), take(e, "up_proj")] for e in range(count)],
-             "down_proj": [[take(e, "down_proj")] for e in range(count)]}
-    if fp8_scales:
-        parts["gate_up_proj_scale_inv"] = [[take(e, "gate_proj", fp8.SCALE_SUFFIX), take(e, "up_proj", fp8.SCALE_SUFFIX)]
-                                           for e in range(count)]
-        parts["down_proj_scale_inv"] = [[take(e, "down_proj", fp8.SCALE_SUFFIX)] for e in range(count)]
-    for leaf, groups in parts.items():
-        declared = module._parameters[leaf]
-        fused = _strided_view(groups)
-        name = f"{prefix}.{leaf}"
-        if fused is not None and fused.shape == declared.shape and fused.dtype == declared.dtype:
-            report["zero_copy"].append(name)
-        else:
-            fused = torch.stack([torch.cat(group) for group in groups])
-            report["copied"].append(name)
-        if fused.shape != declared.shape or fused.dtype != declared.dtype:
-            raise AttachError(f"cannot attach: {name}: the model expects {tuple(declared.shape)} {declared.dtype}, "
-                              f"the cache's experts make {tuple(fused.shape)} {fused.dtype}")
-        module._parameters[leaf] = nn.Parameter(fused, requires_grad=False)
+def _bind_renamed(model: nn.Module, place: str, name: str, view: torch.Tensor) -> None:
+    _, _, current = _declared(model, place)
+    if current.shape != view.shape or current.dtype != view.dtype:
+        raise AttachError(f"cannot attach: {name} (transformers' {place}): model expects {tuple(current.shape)} "
+                          f"{current.dtype}, cache holds {tuple(view.shape)} {view.dtype}")
+    _swap(current, view)  # the model's own Parameter takes over the arena view, as a bind by name does
+
+
+def _fuse(model: nn.Module, place: str, experts: dict[int, dict[int, torch.Tensor]],
+          report: dict[str, list[str]]) -> None:
+    owner, leaf, declared = _declared(model, place)
+    count = declared.shape[0]
+    parts = 1 + max(max(p) for p in experts.values())
+    missing = [f"expert {e} part {k}" for e in range(count) for k in range(parts) if k not in experts.get(e, {})]
+    if missing or len(experts) != count:
+        raise AttachError(f"cannot attach: {place}: the cache lacks {', '.join(missing[:4]) or 'no expert'} of "
+                          f"{count} experts (or holds more: {len(experts)})")
+    groups = [[experts[e][k] for k in range(parts)] for e in range(count)]
+    fused = _strided_view(groups)
+    if fused is not None and fused.shape == declared.shape and fused.dtype == declared.dtype:
+        report["zero_copy"].append(place)
+    else:
+        fused = torch.stack([torch.cat(group) for group in groups])
+        report["copied"].append(place)
+    if fused.shape != declared.shape or fused.dtype != declared.dtype:
+        raise AttachError(f"cannot attach: {place}: the model expects {tuple(declared.shape)} {declared.dtype}, "
+                          f"the cache's experts make {tuple(fused.shape)} {fused.dtype}")
+    _swap(declared, fused)
 
 
 def _strided_view(groups: list[list[torch.Tensor]]) -> torch.Tensor | None:
