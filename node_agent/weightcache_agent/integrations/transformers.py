@@ -2,7 +2,8 @@
 
 `from_cache(directory or CacheSpec, socket=...)` returns the same model, in eval mode,
 that `AutoModelForCausalLM.from_pretrained(directory)` returns (bf16: the same logits bit
-for bit), without allocating or initialising a single weight. Flow:
+for bit), without allocating or initialising its weights (fused experts may be copies,
+below). Flow:
   1. config.json -> `AutoModelForCausalLM.from_config` under `torch.device("meta")`, in the
      dtype the cache holds (the loader's own resolution of `dtype="auto"`);
   2. fp8-block caches: every linear layer the cache quantized (`load.fp8.quantizable`)
@@ -10,21 +11,20 @@ for bit), without allocating or initialising a single weight. Flow:
   3. `client.attach` with a `Materialize` that computes the non-persistent buffers the
      way transformers does when it loads (empty on the weights' device, then the model's
      own `_init_weights` on their owner, every bound tensor marked initialised so nothing
-     else is touched), and assembles fused experts (below); `cast_small=True` casts the
+     else is touched), and maps renamed and fused checkpoint tensors (below); `cast_small=True` casts the
      1-D tensors transformers declares in another dtype (`FP8Linear` biases are float32);
   4. FP8 compute: transformers' own kernels where they load without a download (CUDA and
      the `kernels` package with its cache); otherwise each FP8 layer dequantizes its
      weight per call (the weights stay FP8 and zero-copy).
 
-Experts. transformers 5 declares an MoE layer's experts fused, as 3-D parameters
-`mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `mlp.experts.down_proj`
-[E, H, I]; checkpoints (and `save_pretrained`) keep one tensor per expert,
-`mlp.experts.<e>.{gate,up,down}_proj.weight`, which transformers' loader stacks and
-concatenates. Here the per-expert cache tensors are claimed and the fused parameter is one
-strided view of the arena where the experts lie at a constant stride (as in a file
-`save_pretrained` wrote with up to 10 experts per layer), else a copy on the weights'
-device (reported: `report.experts_copied`). FP8 experts are always copies (weights and
-scales interleave in the arena) and need moe_intermediate_size % 128 == 0.
+Checkpoint names. The cache holds tensors under the checkpoint's names; where transformers
+rewrites them on load (its `conversion_mapping`), `Conversions` reproduces the rewrite:
+renames bind the tensor at its new name, zero-copy; expert fusion (transformers 5 declares
+`mlp.experts.gate_up_proj` [E, 2I, H], gate rows then up rows, and `mlp.experts.down_proj`
+[E, H, I], while checkpoints keep `mlp.experts.<e>.{gate,up,down}_proj.weight`) makes each
+fused parameter one strided view of the arena where the experts lie at a constant stride,
+else a copy on the weights' device (`report.experts_copied`). Any other conversion is
+refused by name. FP8 experts need moe_intermediate_size % 128 == 0.
 
 This module imports transformers at its own import (the optional extra
 `weightcache[transformers]`); nothing else in the package imports it.
