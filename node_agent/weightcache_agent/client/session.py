@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -55,8 +55,8 @@ class Attachment:
     instead of reading the disk again.
     """
 
-    computed: list[str] = []  # what attach's `materialize` filled instead of binding (see client.materialize)
-    cast: list[str] = []  # small tensors cast to the model's dtype (cast_small=True), "name: from -> to"
+    computed: Sequence[str] = ()  # what attach's `materialize` filled instead of binding (see client.materialize)
+    cast: Sequence[str] = ()  # small tensors cast to the model's dtype (cast_small=True), "name: from -> to"
 
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
