@@ -185,14 +185,19 @@ def test_what_is_refused_is_named(checkpoints, tmp_path):
         from_cache(hybrid, mode="off")
 
 
-def test_the_reference_engine_serves_a_transformers_moe(checkpoints, moe_agent):
+def test_a_transformers_engine_stands_by_and_takes_over(checkpoints, moe_agent):
+    """`weightcache engine` serves the MoE through transformers, as a hot standby that is promoted."""
     directory = checkpoints["qwen3_moe"]
+    moe_agent.wait_ready()
+    # this process holds the group's primary lease; the engine joins the group as its standby
+    primary = from_cache(directory, socket=moe_agent.socket, role="primary", group="moe")
     sup = ProcessGroup(short_run_dir())
     try:
-        engine = sup.start_engine(directory, "moe-engine", socket=moe_agent.socket)
-        moe_agent.wait_ready()
-        health = engine.wait_state(lambda h: h["ready"], what="readiness")
-        assert health["source"] == "agent"
+        engine = sup.start_engine(directory, "moe-standby", socket=moe_agent.socket, group="moe", role="standby")
+        health = engine.wait_serving()
+        assert health["source"] == "agent" and health["role"] == "standby" and not health["ready"]
+        primary.weightcache.close()  # the primary leaves: the agent promotes the standby
+        engine.wait_state(lambda h: h["ready"], what="promotion")
         prompt = [3, 14, 15, 92, 65]
         status, reply = engine.generate(prompt, 6)
         reference = transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
