@@ -120,6 +120,7 @@ def _bind(module: nn.Module, base: torch.Tensor, columns: dict[str, list], stric
                     buffers.append(name)
         claimed_names = claimed_cols["name"] if claimed_cols is not None else []
         places = list(dict.fromkeys(mat.places(module, claimed_names))) if mat.places is not None else []
+        places = [name for name in places if name not in buffers]
         for name in places:
             owner, table, leaf = _place(modules, name)
             aside.append((name, table, leaf, table[leaf]))
