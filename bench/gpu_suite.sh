@@ -11,7 +11,7 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
 python3 -c "from weightcache_agent.client.rebind import _bindfast; print('C extension:', 'built' if _bindfast else 'NOT built')" | tee -a "$OUT/gpu.txt"
 python3 bench/attach_profile.py cuda > "$OUT/attach_profile.log" 2>&1; head -2 "$OUT/attach_profile.log"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_transformers.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}

@@ -21,7 +21,8 @@ def run(blocked: set[str], code: str) -> subprocess.CompletedProcess:
 
 
 def test_engine_client_imports_without_kopf_or_kubernetes():
-    proc = run({"kopf", "kubernetes"}, """
+    # nor transformers: only `integrations.transformers` imports it, and the engine only to serve such a model
+    proc = run({"kopf", "kubernetes", "transformers"}, """
         from weightcache_agent import CacheSpec, attach
         import weightcache_agent.serve.agent, weightcache_agent.load.loader, weightcache_agent.engine.server
         print("ok", CacheSpec(model="/m").tp_size)

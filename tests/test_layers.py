@@ -18,6 +18,7 @@ LAYERS = [
     {"arena": {"arena"}},
     {"load": {"load"}},
     {"client": {"client"}, "serve": {"serve"}, "testing": {"testing"}},
+    {"integrations": {"integrations"}},
     {"engine": {"engine"}},
     {"cli": {"cli", "__init__", "__main__"}},
 ]

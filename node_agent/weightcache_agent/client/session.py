@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -30,8 +30,8 @@ from ..arena.cpu import map_private, map_readonly
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
+from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .readonly import guard
-from .rebind import bind_manifest
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,9 @@ class Attachment:
     restarted agent gets a `rejoin` with this engine's arena fds, which it may adopt
     instead of reading the disk again.
     """
+
+    computed: Sequence[str] = ()  # what attach's `materialize` filled instead of binding (see client.materialize)
+    cast: Sequence[str] = ()  # small tensors cast to the model's dtype (cast_small=True), "name: from -> to"
 
     def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
@@ -183,7 +186,9 @@ class Attachment:
 def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: str = "client", fallback: bool = False,
            role: str | None = None, group: str | None = None, on_promote: Callable[[Attachment], None] | None = None,
            strict: bool = True, timeout: float = 600.0,
-           on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False) -> Attachment:
+           on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
+           materialize: Materialize | Callable[[nn.Module, Pending], None] | None = None,
+           cast_small: bool = False) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     Every parameter and buffer of `module` ends up a read-only view into the agent's
@@ -225,11 +230,18 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     on_demote: called as `on_demote(attachment)` when a planned switchover hands this
         primary's role to another engine of its group: stop taking new requests and
         finish the ones in flight.
-
     copy_on_write: the weights are read-only: a write to one kills the process with a
         message naming the cause. True (cpu backend) maps them privately instead, for
         engines that change weights in place: each page written costs a private 4 KiB
         copy (up to the whole model's size again); untouched pages stay shared.
+
+    materialize: fills what the cache does not hold (see `client.materialize`): with it,
+        non-persistent buffers (rotary tables) are computed instead of refused, and a
+        `Materialize` may also assemble declared places from cache tensors it claims. A
+        missing persistent weight is still refused by name.
+    cast_small: when True, 1-D tensors (biases, norms) that the model declares in another
+        float dtype than the cache holds are cast (small copies; never a weight matrix).
+        The attachment's `computed` and `cast` name what was filled and what was cast.
 
     Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
     `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode` or a socket that
@@ -237,8 +249,19 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    adjust = Adjust.of(materialize, cast_small)
+    attachment = _attach(module, spec, socket, mode, fallback, role, group, on_promote, strict, timeout, on_demote,
+                         copy_on_write, adjust)
+    if adjust is not None:
+        attachment.computed, attachment.cast = adjust.computed, adjust.cast
+    return attachment
+
+
+def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, fallback: bool, role: str | None,
+            group: str | None, on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
+            on_demote: Callable[[Attachment], None] | None, copy_on_write: bool, adjust: Adjust | None) -> Attachment:
     if mode == "off":
-        return _attach_from_disk(module, spec, strict, copy_on_write)
+        return _attach_from_disk(module, spec, strict, copy_on_write, adjust)
     socket = socket or socket_from_env(spec.tp_rank)
     role = role or os.environ.get(ENV_ROLE) or "primary"
     group = group or os.environ.get(ENV_GROUP) or None
@@ -247,7 +270,8 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
             conn = _connect_or_start(socket, spec, timeout)
         else:
             conn = protocol.connect(socket)
-        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, copy_on_write)
+        return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, copy_on_write,
+                            adjust)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
@@ -255,7 +279,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         # A miss costs a full disk load: say so where engines' logs are read, not only on a terminal.
         log.warning("cache miss for %s: attach through %s failed (%s); loading from disk instead (fallback=True)",
                     model_name(spec.model), socket, reason)
-        att = _attach_from_disk(module, spec, strict, copy_on_write)
+        att = _attach_from_disk(module, spec, strict, copy_on_write, adjust)
         att.fallback_reason = reason
         return att
 
@@ -309,7 +333,8 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
                  on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
-                 on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False) -> Attachment:
+                 on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
+                 adjust: Adjust | None = None) -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
@@ -332,7 +357,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                 isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
-        tensors = _bind_over(reply, fds, module, strict, copy_on_write)
+        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -378,29 +403,28 @@ def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
 
 
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
-               copy_on_write: bool = False) -> dict[str, torch.Tensor]:
+               copy_on_write: bool = False, adjust: Adjust | None = None) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     base = map_arena(manifest, fds, copy_on_write)
     try:
-        return bind_manifest(module, base, manifest["tensors"], strict)
+        return bind_adjusted(module, base, manifest["tensors"], strict, adjust)
     except AttachError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
 
 
-def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_write: bool = False) -> Attachment:
+def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_write: bool = False,
+                      adjust: Adjust | None = None) -> Attachment:
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
         base = _map_cpu(loaded.arena.fd, loaded.layout.size, copy_on_write)
-        tensors = bind_manifest(module, base, loaded.layout.to_manifest(), strict)
+        tensors = bind_adjusted(module, base, loaded.layout.to_manifest(), strict, adjust)
     finally:
         loaded.arena.close()  # the mapping keeps the memory
     return Attachment(source="disk", fingerprint=loaded.fingerprint, fields=loaded.fields, nbytes=loaded.layout.nbytes,
                       tensors=tensors, seconds=time.perf_counter() - started, layout_hash=loaded.layout.layout_hash)
-
-
 
 
 def _tail(path: str, lines: int = 5) -> str:

@@ -26,7 +26,8 @@ log = logging.getLogger("weightcache.engine")
 
 def build_parser() -> argparse.ArgumentParser:
     p = usage_parser(
-        "weightcache engine", "Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.",
+        "weightcache engine", "Reference engine that attaches its weights from a weightcache agent: its own "
+        "Llama/Qwen2/Mistral decoder, any other causal LM through transformers.",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
                   "curl -s localhost:8000/generate -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"],
         env={"WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
              "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
-    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
+    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json); a model_type "
+                   "other than llama/qwen2/mistral is served with transformers (the transformers extra)")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
                                     "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
     p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",

@@ -71,6 +71,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"{where}: model_type {model_type!r} is not a Llama/Qwen2-family decoder "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        rope = raw.get("rope_parameters") or {}
         try:
             hidden, heads = int(raw["hidden_size"]), int(raw["num_attention_heads"])
             cfg = cls(
@@ -83,14 +84,15 @@ class ModelConfig:
                 head_dim=int(raw.get("head_dim") or hidden // heads),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(raw.get("rope_theta", 10000.0)),
+                # transformers 5 writes RoPE settings as `rope_parameters` (theta and scaling in one dict)
+                rope_theta=float(raw.get("rope_theta") or rope.get("rope_theta") or 10000.0),
                 # Qwen2 always has q/k/v biases; Llama declares them with attention_bias.
                 attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
                 model_type=model_type,
-                rope_scaling=raw.get("rope_scaling"),
+                rope_scaling=raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
                 eos_token_id=_as_tuple(raw.get("eos_token_id")),
-                dtype=dtype or dtype_from_name(raw.get("torch_dtype") or "bfloat16"),
+                dtype=dtype or dtype_from_name(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
                 quantization=quantization,
                 tp_size=tp_size,
             )

@@ -31,6 +31,7 @@ from ..client.session import Attachment, attach, socket_from_env
 from ..protocol import parse_json
 from ..load.checkpoint import dtype_from_name, open_checkpoint
 from ..load.fingerprint import resolved_dtype
+from .hf_model import load_transformers_model, native
 from .model import CausalLM, ModelConfig, build_model
 from ..spec import CacheSpec
 
@@ -76,7 +77,10 @@ def model_config(spec: CacheSpec) -> ModelConfig:
 
 
 def load_model(spec: CacheSpec, mode: str = "off", socket: str | None = None, **attach_args: Any) -> tuple[CausalLM, Attachment]:
-    """Build the model on meta, attach it, compute RoPE tables: the engine's load path, reusable in-process."""
+    """Build the model on meta, attach it, compute RoPE tables: the engine's load path, reusable in-process.
+    An architecture the engine does not implement is transformers' (`hf_model`)."""
+    if not native(spec.model):
+        return load_transformers_model(spec, mode=mode, socket=socket, **attach_args)
     model = build_model(model_config(spec))
     attachment = attach(model, spec, socket=socket, mode=mode, **attach_args)
     try:
