@@ -35,17 +35,20 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
-from ..load.fingerprint import RevisionRequired, differences, fields_for_request
+from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
 from ..arena.cpu import CpuArena
 from ..arena.devices import Device
-from ..load.plan import LoadProgress
-from ..load.loader import LoadedCache, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
+from ..load.progress import LoadProgress
 from ..spec import CacheSpec
 from .access import AccessError, SocketPolicy, bind_socket, check_socket_path, peer_groups, prepare_dir, read_private, write_private
+from .prepared_record import RecordedCache, read_record, write_record
+
+if TYPE_CHECKING:  # the loader imports torch: only a load from disk needs it (see `load`)
+    from ..load.loader import LoadedCache, PreparedCache
 
 log = logging.getLogger(__name__)
 
@@ -172,13 +175,20 @@ class Agent:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
 
     def load(self) -> None:
-        """Prepare from headers, then adopt an arena an engine hands back, or load from disk."""
+        """Prepare from headers, then adopt an arena an engine hands back, or load from disk.
+
+        With engines to adopt from, the plan comes from the predecessor's record when it still
+        holds (prepared_record.py): no torch, no header read, until a load from disk needs them.
+        """
         self.phase = "preparing"
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark()
             t0 = time.monotonic()
-            self.prepared = prepare_cache(self.spec, device=device_mark)
+            recorded = None
+            if self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases"):
+                recorded = read_record(self._record_path, self.spec, device_mark)
+            self.prepared = recorded or _prepare(self.spec, device_mark)
             self.timings["prepare"] = time.monotonic() - t0
             self._adoptable = self.adopt_wait > 0 and bool(self._previous_leases())
             self._prepared.set()
@@ -190,17 +200,27 @@ class Agent:
                 with self._lock:  # a rejoin racing the timeout either adopted already or will not
                     self._adoptable = False
                 if self._adopted_arena is not None:
-                    self.cache = loaded_from(self.prepared, self._adopted_arena, time.monotonic() - t0)
+                    if recorded is not None:
+                        self.cache = recorded.loaded(self._adopted_arena, time.monotonic() - t0)
+                    else:
+                        from ..load.loader import loaded_from
+
+                        self.cache = loaded_from(self.prepared, self._adopted_arena, time.monotonic() - t0)
                     self.adopted = True
                     log.info("re-adopted the arena from an engine in %.1fms; nothing read from disk",
                              self.cache.load_seconds * 1e3)
             if self.cache is None:
+                from ..load.loader import fill_cache
+
+                if recorded is not None:  # nobody handed the arena back: plan from the checkpoint after all
+                    self.prepared = _prepare(self.spec, device_mark)
                 self.phase = "loading"
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
+                recorded = None
         except BaseException as e:
             self.phase, self.error = "failed", str(e)
             self._prepared.set()
@@ -216,17 +236,18 @@ class Agent:
                     log.warning("cannot record the engines that rejoined in %s: %s", self._state_path, e)
         self.phase = "ready"
         self._ready.set()
+        if recorded is None:  # planned from the checkpoint: what a successor may serve from (after ready: off the clock)
+            try:
+                write_record(self._record_path, self.prepared)
+            except OSError as e:  # a restart then plans from the checkpoint: slower, not wrong
+                log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
 
     def _device_mark(self) -> str:
         if self.device.backend == "cpu":
             return "cpu"
-        import torch
+        from ..arena.cuda import device_mark
 
-        from ..arena.cuda import granularity
-
-        granularity(self.device.ordinal)  # creates the device's primary context
-        major, minor = torch.cuda.get_device_capability(self.device.ordinal)
-        return f"sm_{major}{minor}/cuda-{torch.version.cuda}"
+        return device_mark(self.device.ordinal)  # through the driver: makes the primary context, imports no torch
 
     def _new_arena(self, size: int, fd: int | None = None) -> Any:
         """A fresh arena for the prepared layout, or (with `fd`) one handed back by an engine."""
@@ -237,6 +258,8 @@ class Agent:
         if fd is not None:
             return CpuArena.adopt(fd, size)
         assert self.prepared is not None
+        from ..load.loader import new_cpu_arena
+
         return new_cpu_arena(self.prepared, name=f"weightcache:{os.path.basename(self.socket_path)}")
 
     # -- state kept for a restarted agent ------------------------------------------------------
@@ -244,6 +267,10 @@ class Agent:
     @property
     def _state_path(self) -> str:
         return sidecar_path(self.socket_path, "state")
+
+    @property
+    def _record_path(self) -> str:
+        return sidecar_path(self.socket_path, "prepared")
 
     def _state(self) -> dict[str, Any] | None:
         if self.prepared is None:
@@ -534,10 +561,25 @@ class Agent:
         key = json.dumps(request, sort_keys=True)
         fields = self._engine_fields.get(key)
         if fields is None:
-            fields = fields_for_request(request, self.cache.checkpoint)
+            cache = self.cache
+            if isinstance(cache, RecordedCache):
+                signature, revision = cache.signature, cache.revision
+            else:
+                signature, revision = cache.checkpoint.signature, cache.checkpoint.revision
+            fields = same_spec_fields(request, self.spec, cache.fields, signature, revision)
+            if fields is None:  # another spec: derive its fields from the checkpoint itself
+                fields = fields_for_request(request, self._checkpoint())
             if len(self._engine_fields) < 64:  # bounded: a stream of odd requests must not grow it
                 self._engine_fields[key] = fields
         return dict(fields)
+
+    def _checkpoint(self) -> Any:
+        """The parsed checkpoint; after a re-adoption from the record, parsed on first need."""
+        if self.cache.checkpoint is None:
+            from ..load.checkpoint import open_checkpoint
+
+            self.cache.checkpoint = open_checkpoint(self.spec.model)
+        return self.cache.checkpoint
 
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
                   token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
@@ -809,3 +851,9 @@ def _shutdown(conn: socket.socket) -> None:
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _prepare(spec: CacheSpec, device_mark: str) -> "PreparedCache":
+    from ..load.loader import prepare_cache  # imports torch: only here, where a plan is made
+
+    return prepare_cache(spec, device=device_mark)
