@@ -50,7 +50,19 @@ def _driver_uuids() -> list[str] | None:
     return uuids
 
 
+def _have_bindings() -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def cuda_available() -> bool:
+    """A GPU the cuda backend can use: visible, and cuda-bindings (which the backend needs) installed."""
+    if not _have_bindings():
+        return False
     uuids = _driver_uuids()
     if uuids is not None:
         return bool(uuids)
@@ -66,6 +78,8 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "cuda" if cuda_available() else "cpu"
     if backend == "cuda" and not cuda_available():
+        if not _have_bindings():
+            raise ValueError("--backend cuda needs cuda-bindings: pip install 'weightcache[cuda]'")
         raise ValueError("--backend cuda: no CUDA device is visible to this process")
     return backend
 
