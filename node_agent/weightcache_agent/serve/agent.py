@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import re
+import resource
 import secrets
 import socket
 import threading
@@ -42,6 +43,7 @@ from ..errors import ProtocolError, WeightCacheError
 from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
 from ..arena.cpu import CpuArena
 from ..arena.devices import Device
+from ..load.prefetch import Prefetch, shard_paths
 from ..load.progress import LoadProgress
 from ..spec import CacheSpec
 from .access import AccessError, SocketPolicy, bind_socket, check_socket_path, peer_groups, prepare_dir, read_private, write_private
@@ -133,6 +135,7 @@ class Agent:
         self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
+        self.prefetched = 0  # checkpoint bytes read ahead of the fill while the process started up
         self._ready = threading.Event()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
@@ -181,6 +184,10 @@ class Agent:
         holds (prepared_record.py): no torch, no header read, until a load from disk needs them.
         """
         self.phase = "preparing"
+        prefetch = None
+        if not (self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases")):
+            # A load from disk is coming: keep the disk busy while torch, CUDA and the plan start up.
+            prefetch = Prefetch(shard_paths(os.path.abspath(self.spec.model)), lambda: self.progress.bytes_done)
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark()
@@ -222,10 +229,15 @@ class Agent:
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
                 recorded = None
         except BaseException as e:
+            if prefetch is not None:
+                prefetch.stop()
             self.phase, self.error = "failed", str(e)
             self._prepared.set()
             self._ready.set()  # wake waiting attaches so they get the error
             raise
+        if prefetch is not None:
+            prefetch.stop()
+            self.prefetched = prefetch.read
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
         if self.leases():  # engines that rejoined during the load hold the arena too
@@ -360,6 +372,9 @@ class Agent:
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,
+            "prefetched_bytes": self.prefetched,
+            # The agent's own high-water mark (a cold load's staging, a manifest), not the arena's memory.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "attaches": self.attaches,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
