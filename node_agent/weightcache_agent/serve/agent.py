@@ -379,7 +379,9 @@ class Agent:
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
-            "clients": [lease.to_json() for lease in self.leases()],
+            # Without the lock, which attaches hold across a durable state write: status must answer
+            # at once while dozens of engines attach. Copying a dict's values is atomic under the GIL.
+            "clients": [lease.to_json() for lease in sorted(list(self._leases.values()), key=lambda lease: lease.since)],
         }
         return out
 
