@@ -232,6 +232,9 @@ class CudaArena:
 
     def device_tensor(self) -> "torch.Tensor":
         """A writable uint8 view of the whole arena for the loader, valid until `seal()`."""
+        import torch
+
+        torch.cuda.set_device(self.ordinal)  # the fill's streams and kernels run on this device
         if self._writer is None:
             self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
         return self._writer.tensor()

@@ -41,7 +41,8 @@ def _driver_uuids() -> list[str] | None:
         err, device = cu.cuDeviceGet(ordinal)
         err2, uuid = cu.cuDeviceGetUuid(device) if err == ok else (err, None)
         try:
-            raw = bytes(uuid.bytes).hex() if err2 == ok else ""
+            value = uuid.bytes if err2 == ok else b""
+            raw = (value if isinstance(value, (bytes, bytearray)) else bytes(b & 0xFF for b in value)).hex()
         except (TypeError, ValueError, AttributeError):
             raw = ""
         if len(raw) != 32:
