@@ -23,7 +23,16 @@ from .pagecache import cached_share
 log = logging.getLogger(__name__)
 
 CHUNK = 16 << 20
-DEFAULT_LEAD = 16 << 30
+MIN_LEAD = 1 << 30
+
+
+def lead_for(paths: list[str], host_arena: bool) -> int:
+    """How far ahead of the fill the prefetch may read: half the memory left once a host arena
+    (the cpu backend's memfd, about the checkpoint's size) is counted, at least `MIN_LEAD`."""
+    from ..arena.cpu import available_memory
+
+    total = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+    return max(MIN_LEAD, (available_memory() - (total if host_arena else 0)) // 2)
 
 
 def shard_paths(directory: str) -> list[str]:
@@ -43,7 +52,7 @@ def shard_paths(directory: str) -> list[str]:
 class Prefetch:
     """A thread reading `paths` ahead of a fill whose progress `done()` reports (bytes read)."""
 
-    def __init__(self, paths: list[str], done: Callable[[], int], lead: int = DEFAULT_LEAD):
+    def __init__(self, paths: list[str], done: Callable[[], int], lead: int = MIN_LEAD):
         self.paths, self.done, self.lead = paths, done, lead
         self.read = 0
         self.seconds = 0.0

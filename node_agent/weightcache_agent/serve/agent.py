@@ -43,7 +43,7 @@ from ..errors import ProtocolError, WeightCacheError
 from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
 from ..arena.cpu import CpuArena
 from ..arena.devices import Device
-from ..load.prefetch import Prefetch, shard_paths
+from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
 from ..spec import CacheSpec
 from .access import AccessError, SocketPolicy, bind_socket, check_socket_path, peer_groups, prepare_dir, read_private, write_private
@@ -111,6 +111,9 @@ class Agent:
         self.max_leases = max_leases
         self.max_pending = max_pending
         self._pending: dict[int, socket.socket] = {}  # connection id -> socket, oldest first
+        # Its own lock: the accept loop must never wait behind `_lock`, which attaches hold across
+        # a durable state write (a status request would queue behind every attach in flight).
+        self._pending_lock = threading.Lock()
         self._previous: dict[str, Any] | None = None  # the predecessor's state file, read once at bind
         self._claimed: set[str] = set()  # token hashes of the predecessor's leases already rejoined
         self._waiting = 0  # attaches waiting for the load to finish
@@ -185,9 +188,12 @@ class Agent:
         """
         self.phase = "preparing"
         prefetch = None
-        if not (self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases")):
+        if self.spec.tp_size == 1 and not (
+                self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases")):
             # A load from disk is coming: keep the disk busy while torch, CUDA and the plan start up.
-            prefetch = Prefetch(shard_paths(os.path.abspath(self.spec.model)), lambda: self.progress.bytes_done)
+            # (One rank reads every byte; a tensor-parallel rank reads only its shards, so whole files would waste the disk.)
+            paths = shard_paths(os.path.abspath(self.spec.model))
+            prefetch = Prefetch(paths, lambda: self.progress.bytes_done, lead_for(paths, self.device.backend == "cpu"))
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark()
@@ -412,7 +418,7 @@ class Agent:
                 conn.close()
                 continue
             key = next(ids)
-            with self._lock:
+            with self._pending_lock:
                 self._pending[key] = conn
                 over = len(self._pending) > self.max_pending
             if over:
@@ -421,7 +427,7 @@ class Agent:
 
     def _drop_oldest_pending(self) -> None:
         """Make room: a connection still sending its first request is dropped, oldest first."""
-        with self._lock:
+        with self._pending_lock:
             if not self._pending:
                 return
             key = next(iter(self._pending))
@@ -495,7 +501,7 @@ class Agent:
             conn.close()
 
     def _done_pending(self, key: int) -> None:
-        with self._lock:
+        with self._pending_lock:
             self._pending.pop(key, None)
 
     def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None, uid: int) -> Lease | None:
