@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Callable
@@ -70,8 +71,13 @@ class Prefetch:
         view = memoryview(buf)
         try:
             for path in self.paths:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                # Non-blocking open, regular files only: a FIFO or device in place of a shard is the
+                # load's to refuse, never something to wait on here.
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
                 try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        return
+                    os.set_blocking(fd, True)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     size, position = os.fstat(fd).st_size, 0
                     while not self._stop.is_set():
