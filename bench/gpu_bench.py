@@ -141,6 +141,8 @@ from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.testing.synthetic import skeleton_module
 model, sock, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.cuda.init(); torch.empty(1, device="cuda")  # every engine pays for its CUDA context; not timed
+import weightcache_agent
+weightcache_agent.prepare(0)  # what an engine calls while it starts; not timed either
 ck = open_checkpoint(model)
 spec = {name: (r.shape, r.dtype) for name, r in ck.tensors.items()}
 times, keep = [], None
@@ -263,10 +265,11 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     rows.insert(0, ("A: load_file(cuda) + load_state_dict (warm page cache)", f"{a * 1e3:.0f} ms", f"{a / med:.0f}x ours"))
-    rows.insert(1, ("B: legacy IPC handle per tensor + load_state_dict(assign=True)", f"{b * 1e3:.1f} ms",
-                    f"{b / med:.1f}x ours"))
-    rows.insert(2, ("ours: attach + rebind (median of later attaches)", f"{med * 1e3:.2f} ms", "1x"))
-    rows.insert(3, ("ours: first attach in a fresh engine process", f"{first * 1e3:.2f} ms", f"{first / med:.1f}x"))
+    rows.insert(1, ("B: legacy IPC handle per tensor, first rebuild in a fresh process + load_state_dict(assign=True)",
+                    f"{b * 1e3:.1f} ms", f"{b / first:.1f}x ours (first)"))
+    rows.insert(2, ("ours: first attach in a fresh engine process (prepare() at engine start)", f"{first * 1e3:.2f} ms",
+                    "1x"))
+    rows.insert(3, ("ours: later attaches in that process (median)", f"{med * 1e3:.2f} ms", f"{med / first:.2f}x"))
     ro = result["readopt"]
     rows.append(("agent restart, arena re-adopted from an engine (ready after bind)",
                  f"{ro['load_seconds'] * 1e3:.1f} ms (process start to ready {ro['wall_seconds']:.2f} s)",
@@ -274,8 +277,9 @@ def main() -> int:
     lines = [f"{size / 2**30:.1f} GiB in {count} tensors, {result['gpu']}, torch {result['torch']}", "",
              "| step | time | ratio |", "| --- | ---: | ---: |"] + [f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in rows]
     bars = {
-        "ours >= 20x faster than B": b / med >= 20,
-        "ours <= 15 ms": med <= 0.015,
+        "ours (first attach) >= 50x faster than B (first rebuild)": b / first >= 50,
+        "first attach <= 15 ms": first <= 0.015,
+        "later attaches <= 10 ms": med <= 0.010,
         "cold load fp8-block >= 90% of raw read": raw / result["cold_fp8-block_s"] >= 0.9,
         "restart re-adoption <= 50 ms, 0 bytes read": ro["adopted"] and ro["load_seconds"] <= 0.05 and ro["bytes_read"] == 0,
     }

@@ -15,5 +15,7 @@ python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_t
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
+# The user-visible figures: fresh processes, from outside (same checkpoint as the benchmark above).
+python3 bench/fresh_process.py cuda --model "/tmp/wc-gpu-bench/llama-${1:-32}g" --out "$OUT" 2>&1 | tee "$OUT/fresh_process.log"
 echo "tests exit $tests, bench exit $bench"
 exit $(( tests || bench ))

@@ -260,3 +260,38 @@ def test_restarted_agent_adopts_the_gpu_arena_from_an_engine(gpu_model, tmp_path
         engine.stop()
         if second is not None:
             second.stop()
+
+
+@cuda
+def test_driver_names_devices_and_marks_as_torch_does():
+    """The agent asks the driver, not torch: same UUIDs per ordinal, same fingerprint device mark."""
+    from weightcache_agent.arena.cuda import device_mark
+    from weightcache_agent.arena.devices import _driver_uuids, cuda_uuid
+
+    assert _driver_uuids() == [cuda_uuid(i) for i in range(torch.cuda.device_count())]
+    major, minor = torch.cuda.get_device_capability(0)
+    assert device_mark(0) == f"sm_{major}{minor}/cuda-{torch.version.cuda}"
+
+
+@cuda
+def test_prepare_then_attach_binds_on_the_gpu(tmp_path):
+    """`prepare()` warms the path on a small arena of its own; the real attach after it is unaffected."""
+    import weightcache_agent
+    from weightcache_agent import CacheSpec, attach
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    model = write_llama_checkpoint(str(tmp_path / "m"), LlamaShape(num_hidden_layers=2))
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(model, sock, "--backend", "cuda")
+    try:
+        agent.wait_ready()
+        took = weightcache_agent.prepare(0)
+        assert set(took) == {"cpu", "cuda"}
+        module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
+        with attach(module, CacheSpec(model=model), socket=sock) as att:
+            assert set(att.phases) == {"request", "round trip", "map", "bind"}
+            w = dict(module.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+            assert w.is_cuda and not w.is_meta
+    finally:
+        agent.stop()

@@ -1,6 +1,7 @@
 """A restarted agent takes its arena back from a still-attached engine instead of the disk."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -79,3 +80,85 @@ def test_clean_shutdown_without_engines_leaves_nothing_to_adopt(model, tmp_path)
     assert time.monotonic() - t0 < 25, "the agent waited for an adoption nobody could offer"
     assert status["adopted"] is False
     second.stop()
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
+def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path):
+    """Status, the rejoin and a newcomer's attach come from the predecessor's record: torch is never
+    loaded into the restarted agent, until a request for another spec needs the checkpoint parsed."""
+    from weightcache_agent import CacheSpec, protocol
+    from weightcache_agent.load.fingerprint import engine_request
+
+    sock = str(tmp_path / "agent.sock")
+    first = AgentProcess(model, sock)
+    first.wait_ready()
+    assert _maps_torch(first.proc.pid), "a cold load runs torch code: the check below would prove nothing"
+    probe = Probe(model, sock)
+    second = None
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(tmp_path, ".agent.sock.prepared")), what="the record")
+        first.proc.kill()
+        first.proc.wait()
+        wait_for(lambda: probe.ask("status")["agent_alive"] is False)
+        started = time.monotonic()
+        second = AgentProcess(model, sock)
+        status = second.wait_ready()
+        serving = time.monotonic() - started
+        assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
+        assert status["tensors"] > 0 and status["fingerprint"]
+        newcomer = Probe(model, sock)
+        try:
+            assert newcomer.ask("verify") == {"identical": True}
+        finally:
+            newcomer.close()
+        assert not _maps_torch(second.proc.pid), "the restarted agent loaded torch"
+        assert serving < 5.0, f"process start -> serving took {serving:.2f}s"
+
+        # Another spec: its fields need the checkpoint, parsed on demand; the agent keeps serving.
+        conn = protocol.connect(sock)
+        try:
+            protocol.send_message(conn, {"type": "attach", "pid": 0, "role": "standby", "group": None, "pod": None,
+                                         "request": engine_request(CacheSpec(model=model, dtype="float16"))})
+            reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        finally:
+            conn.close()
+        assert (reply["type"], reply["code"], fds) == ("error", "fingerprint_mismatch", [])
+        assert reply["engine_fields"]["dtype"] == "float16" and reply["fields"]["dtype"] == "bfloat16"
+        assert second.status()["phase"] == "ready"
+    finally:
+        probe.close()
+        if second is not None:
+            assert second.stop() == 0
+
+
+def test_a_stale_record_is_not_served_from(model, tmp_path):
+    """Files touched since the record was written: the restarted agent plans from the checkpoint (and
+    still adopts: the content is the same)."""
+    sock = str(tmp_path / "agent.sock")
+    first = AgentProcess(model, sock)
+    first.wait_ready()
+    probe = Probe(model, sock)
+    second = None
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(tmp_path, ".agent.sock.prepared")), what="the record")
+        first.proc.kill()
+        first.proc.wait()
+        config = os.path.join(model, "config.json")
+        os.utime(config, ns=(time.time_ns(), time.time_ns()))  # same bytes, another signature
+        second = AgentProcess(model, sock)
+        status = second.wait_ready()
+        assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
+        assert _maps_torch(second.proc.pid), "planned from the checkpoint: torch was expected"
+        newcomer = Probe(model, sock)
+        try:
+            assert newcomer.ask("verify") == {"identical": True}
+        finally:
+            newcomer.close()
+    finally:
+        probe.close()
+        if second is not None:
+            assert second.stop() == 0

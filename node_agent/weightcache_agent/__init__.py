@@ -1,6 +1,7 @@
 """weightcache: LLM weights kept resident by a node agent, attached zero-copy by engines.
 
-The engine-facing API is `CacheSpec` + `attach`. Names are resolved lazily (PEP 562):
+The engine-facing API is `CacheSpec` + `attach` (and `prepare`, which an engine may call
+while it starts, so that its first attach costs what a later one does). Names are resolved lazily (PEP 562):
 importing the package costs nothing, so `weightcache operator` and `weightcache status`
 never import torch, and nothing here ever imports kopf or kubernetes.
 
@@ -27,6 +28,7 @@ _EXPORTS = {
     "agent_status": "protocol",
     "attach": "client.session",
     "CacheSpec": "spec",
+    "prepare": "client.warmup",
     "AgentUnavailable": "errors",
     "AttachError": "errors",
     "CheckpointError": "errors",

@@ -15,13 +15,15 @@ import fcntl
 import mmap
 import os
 import warnings
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import OutOfMemory
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range in writable without touching it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+if TYPE_CHECKING:  # imported where a mapping is made: the agent itself never needs torch for a memfd
+    import torch
+
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
@@ -127,8 +129,10 @@ class CpuArena:
             self.fd = -1
 
 
-def map_readonly(fd: int, size: int) -> torch.Tensor:
+def map_readonly(fd: int, size: int) -> "torch.Tensor":
     """Map an arena fd read-only and return it as one uint8 tensor (no copy)."""
+    import torch
+
     actual = os.fstat(fd).st_size
     if actual < size:
         raise OSError(f"arena fd holds {actual} bytes but the manifest says {size}")

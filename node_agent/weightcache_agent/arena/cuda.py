@@ -13,32 +13,47 @@ Memory stays valid after the exporting process exits (the handle counts), which 
 why an engine keeps serving when the agent dies, and why an engine holding the fd can
 hand the arena back to a restarted agent.
 
-Everything here runs after torch has made the device's primary context current.
+The agent side talks to the driver alone: it makes the device's primary context current
+itself (the one torch's runtime uses too), so an agent that re-adopts an arena from an
+engine serves it without importing torch. The engine side runs after torch has made the
+primary context current; torch is what wraps the mapping as a tensor.
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
-from typing import Any
-
-import torch
+import threading
+from typing import TYPE_CHECKING, Any
 
 from ..errors import OutOfMemory, WeightCacheError
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger(__name__)
+_contexts: dict[int, Any] = {}  # ordinal -> the retained primary context
+_contexts_lock = threading.Lock()
+_torch_ready: set[int] = set()  # ordinals where torch has made its context (engine side)
 
 
 class CudaError(WeightCacheError):
     """A CUDA driver call failed."""
 
 
+_cu: Any = None
+
+
 def _driver() -> Any:
-    try:
-        from cuda.bindings import driver
-    except ImportError as e:
-        raise CudaError("the cuda backend needs cuda-bindings: pip install 'weightcache[cuda]'") from e
-    return driver
+    global _cu
+    if _cu is None:
+        try:
+            from cuda.bindings import driver
+        except ImportError as e:
+            raise CudaError("the cuda backend needs cuda-bindings: pip install 'weightcache[cuda]'") from e
+        _cu = driver
+    return _cu
 
 
 def _call(result: tuple, what: str) -> Any:
@@ -51,10 +66,60 @@ def _call(result: tuple, what: str) -> Any:
 
 
 def _activate(ordinal: int) -> None:
-    """Make torch create and bind the device's primary context (the VMM calls use it)."""
+    """Make the device's primary context current on this thread (retained once per process), through
+    the driver alone: the same context torch's runtime uses, without importing torch."""
+    cu = _driver()
+    ctx = _contexts.get(ordinal)
+    if ctx is None:
+        with _contexts_lock:
+            ctx = _contexts.get(ordinal)
+            if ctx is None:
+                _call(cu.cuInit(0), "cuInit")
+                device = _call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+                ctx = _contexts[ordinal] = _call(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    _call(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+
+def _activate_torch(ordinal: int) -> None:
+    """Engine side: make torch create and bind the device's primary context (the VMM calls use it)."""
+    import torch
+
     torch.cuda.set_device(ordinal)
-    torch.cuda.init()
-    torch.empty(1, device=f"cuda:{ordinal}")
+    if ordinal not in _torch_ready:  # once per device: the context exists from then on
+        torch.cuda.init()
+        torch.empty(1, device=f"cuda:{ordinal}")
+        _torch_ready.add(ordinal)
+
+
+def device_mark(ordinal: int) -> str:
+    """`sm_XY/cuda-<torch's CUDA version>`, the fingerprint's device field, without importing torch."""
+    cu = _driver()
+    _activate(ordinal)
+    attr = cu.CUdevice_attribute
+    device = _call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    major = _call(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute")
+    minor = _call(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute")
+    return f"sm_{major}{minor}/cuda-{torch_cuda_version()}"
+
+
+def torch_cuda_version() -> str | None:
+    """`torch.version.cuda`: from torch once imported, else from the installed torch's version.py
+    (a small file read; importing torch takes seconds)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        from importlib.util import find_spec
+
+        spec = find_spec("torch")
+        for place in (spec.submodule_search_locations or []) if spec is not None else []:
+            try:
+                with open(os.path.join(place, "version.py")) as f:
+                    found = re.search(r"^cuda\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", f.read(), re.M)
+            except OSError:
+                continue
+            if found:
+                return found.group(1) or found.group(2)
+        import torch
+    return torch.version.cuda
 
 
 def _prop(ordinal: int) -> Any:
@@ -105,7 +170,9 @@ class _Mapping:
     def __cuda_array_interface__(self) -> dict[str, Any]:
         return {"shape": (self.size,), "typestr": "|u1", "data": (int(self.ptr), False), "version": 3, "strides": None}
 
-    def tensor(self) -> torch.Tensor:
+    def tensor(self) -> "torch.Tensor":
+        import torch
+
         # torch keeps `self` alive through the tensor's deleter: the mapping outlives every view.
         return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
 
@@ -163,21 +230,27 @@ class CudaArena:
             cu.cuMemRelease(self._handle)
             raise
 
-    def device_tensor(self) -> torch.Tensor:
+    def device_tensor(self) -> "torch.Tensor":
         """A writable uint8 view of the whole arena for the loader, valid until `seal()`."""
+        import torch
+
+        torch.cuda.set_device(self.ordinal)  # the fill's streams and kernels run on this device
         if self._writer is None:
             self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
         return self._writer.tensor()
 
     def seal(self) -> None:
         """Finish pending copies and drop the agent's writable mapping."""
-        torch.cuda.synchronize(self.ordinal)
-        if self._writer is not None:
+        if self._writer is not None:  # only a filled arena has one, and only a fill imported torch
+            import torch
+
+            torch.cuda.synchronize(self.ordinal)
             self._writer.release()
             self._writer = None
 
     def close(self) -> None:
         cu = _driver()
+        _activate(self.ordinal)
         self.seal()
         if self._handle is not None:
             cu.cuMemRelease(self._handle)
@@ -187,13 +260,13 @@ class CudaArena:
             self.fd = -1
 
 
-def map_readonly_cuda(fd: int, size: int, uuid: str) -> torch.Tensor:
+def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
     """Import an arena fd on the GPU with `uuid` and return it as one read-only uint8 tensor."""
     from .devices import local_ordinal
 
     cu = _driver()
     ordinal = local_ordinal(uuid)
-    _activate(ordinal)
+    _activate_torch(ordinal)
     handle = _call(cu.cuMemImportFromShareableHandle(
         fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
     # The mapping owns the imported handle from here on, failed or not.

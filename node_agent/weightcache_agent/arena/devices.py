@@ -21,7 +21,52 @@ class Device:
         return f"{self.uuid}.sock"
 
 
+def _driver_uuids() -> list[str] | None:
+    """GPU UUIDs by ordinal, straight from the driver (no torch import); None without cuda-bindings.
+
+    The driver numbers devices as torch does (both honour CUDA_VISIBLE_DEVICES and
+    CUDA_DEVICE_ORDER), so index i is torch's `cuda:i`."""
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        return None
+    ok = cu.CUresult.CUDA_SUCCESS
+    if cu.cuInit(0)[0] != ok:
+        return []
+    err, count = cu.cuDeviceGetCount()
+    if err != ok:
+        return []
+    uuids = []
+    for ordinal in range(count):
+        err, device = cu.cuDeviceGet(ordinal)
+        err2, uuid = cu.cuDeviceGetUuid(device) if err == ok else (err, None)
+        try:
+            value = uuid.bytes if err2 == ok else b""
+            raw = (value if isinstance(value, (bytes, bytearray)) else bytes(b & 0xFF for b in value)).hex()
+        except (TypeError, ValueError, AttributeError):
+            raw = ""
+        if len(raw) != 32:
+            return None  # let torch answer
+        uuids.append(f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}")
+    return uuids
+
+
+def _have_bindings() -> bool:
+    from importlib.util import find_spec
+
+    try:
+        return find_spec("cuda.bindings") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def cuda_available() -> bool:
+    """A GPU the cuda backend can use: visible, and cuda-bindings (which the backend needs) installed."""
+    if not _have_bindings():
+        return False
+    uuids = _driver_uuids()
+    if uuids is not None:
+        return bool(uuids)
     try:
         import torch
 
@@ -34,6 +79,8 @@ def resolve_backend(backend: str) -> str:
     if backend == "auto":
         return "cuda" if cuda_available() else "cpu"
     if backend == "cuda" and not cuda_available():
+        if not _have_bindings():
+            raise ValueError("--backend cuda needs cuda-bindings: pip install 'weightcache[cuda]'")
         raise ValueError("--backend cuda: no CUDA device is visible to this process")
     return backend
 
@@ -46,17 +93,27 @@ def cuda_uuid(ordinal: int) -> str:
 
 
 def cuda_devices() -> list[Device]:
+    uuids = _driver_uuids()
+    if uuids is not None:
+        return [Device("cuda", uuid, i) for i, uuid in enumerate(uuids)]
     import torch
 
     return [Device("cuda", cuda_uuid(i), i) for i in range(torch.cuda.device_count())]
 
 
+_ordinals: dict[str, int] = {}  # a process's devices do not change: asked once, then remembered
+
+
 def local_ordinal(uuid: str) -> int:
     """This process's CUDA ordinal of the GPU with `uuid` (whatever CUDA_VISIBLE_DEVICES says)."""
-    for device in cuda_devices():
-        if device.uuid == uuid:
-            return device.ordinal
-    visible = ", ".join(d.uuid for d in cuda_devices()) or "none"
+    if uuid in _ordinals:
+        return _ordinals[uuid]
+    devices = cuda_devices()
+    for device in devices:
+        _ordinals[device.uuid] = device.ordinal
+    if uuid in _ordinals:
+        return _ordinals[uuid]
+    visible = ", ".join(d.uuid for d in devices) or "none"
     raise ValueError(f"GPU {uuid} is not visible to this process (visible: {visible})")
 
 

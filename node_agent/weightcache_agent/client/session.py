@@ -64,10 +64,12 @@ class Attachment:
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
                  on_promote: Callable[["Attachment"], None] | None = None,
                  on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None,
-                 rejoin_token: str | None = None):
+                 rejoin_token: str | None = None, phases: dict[str, float] | None = None):
         self.source = source  # "agent" or "disk"
         # Why the weights came from disk although an agent was asked (attach with fallback=True); None otherwise.
         self.fallback_reason: str | None = None
+        # Where `seconds` went (request, round trip, map, bind): what a first attach pays shows here.
+        self.phases = phases or {}
         self.fingerprint = fingerprint
         self.fields = fields
         self.bytes = nbytes
@@ -338,9 +340,12 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
+    phases: dict[str, float] = {}
     try:
         conn.settimeout(timeout)
-        reply, fds = _ask_attach(conn, role, group, pod, engine_request(spec))
+        request = engine_request(spec)
+        phases["request"] = time.perf_counter() - started
+        reply, fds = _ask_attach(conn, role, group, pod, request)
         if reply.get("type") == "error" and reply.get("code") == "revision_required":
             # Our files are not the very ones the agent read (a copy, another mount): compare content.
             path = conn.getpeername()
@@ -357,7 +362,8 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                 isinstance(reply.get(key), kind) for key, kind in _MANIFEST_MEMBERS):
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
-        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust)
+        phases["round trip"] = time.perf_counter() - started - phases["request"]
+        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust, phases)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -368,7 +374,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote,
-                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"))
+                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"), phases=phases)
 
 
 def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
@@ -403,11 +409,17 @@ def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
 
 
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
-               copy_on_write: bool = False, adjust: Adjust | None = None) -> dict[str, torch.Tensor]:
+               copy_on_write: bool = False, adjust: Adjust | None = None,
+               phases: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
+    t0 = time.perf_counter()
     base = map_arena(manifest, fds, copy_on_write)
+    t1 = time.perf_counter()
     try:
-        return bind_adjusted(module, base, manifest["tensors"], strict, adjust)
+        tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
+        if phases is not None:
+            phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
+        return tensors
     except AttachError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from .signature import file_signature  # noqa: F401 (also imported from here by engines and tests)
 
 INDEX_FILE = "model.safetensors.index.json"
 # safetensors' own cap on the JSON header: a larger length is corruption, not a model.
@@ -229,25 +230,6 @@ def content_identity(directory: str) -> str:
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
     return _identity(directory, headers)
-
-
-def file_signature(directory: str) -> str:
-    """Hash of (name, size, mtime, inode) of the directory's safetensors and JSON files.
-
-    One stat per file, no read: what an engine sends so that an agent that loaded these very
-    files can vouch for their content identity. Bind mounts keep size, mtime and inode, so a
-    pod sees the signature the agent saw; a copy or an edit changes it, and then the content
-    identity decides (`content_identity`).
-    """
-    try:
-        entries = sorted((e.name, e.stat()) for e in os.scandir(directory)
-                         if e.name.endswith((".safetensors", ".json")))
-    except OSError as e:
-        raise CheckpointError(f"{directory}: cannot list: {e.strerror}") from None
-    digest = hashlib.sha256()
-    for name, st in entries:
-        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
-    return digest.hexdigest()[:16]
 
 
 def open_checkpoint(directory: str) -> Checkpoint:

@@ -11,16 +11,18 @@ fields (`model_name`) for messages only.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
-from typing import Any
+import sys
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .checkpoint import Checkpoint, dtype_name
 from ..spec import CacheSpec
+
+if TYPE_CHECKING:  # torch-free at import: the agent serving a re-adopted arena compares fields without it
+    from .checkpoint import Checkpoint
 
 # Bump when the loader would place or transform bytes differently for the same inputs.
 LAYOUT_VERSION = 2  # 2: sharding plans, fp8-block with power-of-two scales
@@ -35,12 +37,30 @@ QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
 def resolved_dtype(spec: CacheSpec, checkpoint: Checkpoint) -> str:
     if spec.dtype != "auto":
         return spec.dtype
+    from .checkpoint import dtype_name
+
     found = checkpoint.floating_dtype()
     return dtype_name(found) if found is not None else "none"
 
 
+def torch_version() -> str:
+    """The installed torch's full version: from torch itself once imported, else from its
+    package metadata (a file read, not the seconds an import of torch takes)."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        import torch
+
+        return str(torch.__version__)
+
+
 def environment_fields(device: str | None) -> dict[str, Any]:
-    fields: dict[str, Any] = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2])}
+    fields: dict[str, Any] = {"torch": ".".join(torch_version().split("+")[0].split(".")[:2])}
     if device is not None:
         fields["device"] = device
     return fields
@@ -148,6 +168,35 @@ def fields_for_request(request: dict[str, Any], checkpoint: Checkpoint) -> dict[
     if spec.revision is None:
         del fields["revision"]
     return fields
+
+
+def same_spec_fields(request: dict[str, Any], spec: CacheSpec, fields: dict[str, Any], signature: str,
+                     content: str) -> dict[str, Any] | None:
+    """`fields_for_request` without the checkpoint, where the engine asks for exactly our `spec`.
+
+    Then every field derived from the checkpoint is ours (`fields`, computed from the same spec
+    over the checkpoint we read) and only content, revision label and torch are the engine's own.
+    None where the spec differs or names a rules file (its plan identity is the engine's);
+    `RevisionRequired` as in `fields_for_request`.
+    """
+    known = CacheSpec.__dataclass_fields__
+    theirs = CacheSpec(**{k: v for k, v in request["spec"].items() if k in known})
+    if theirs.sharding is not None and not is_preset(theirs.sharding):
+        return None
+    if dataclasses.replace(theirs, model=spec.model, revision=spec.revision) != spec:
+        return None
+    engine_content = request.get("content")
+    if engine_content is None:
+        if not signature or request.get("files") != signature:
+            raise RevisionRequired()
+        engine_content = content
+    elif not isinstance(engine_content, str):
+        raise ValueError("content must be a string")
+    out = {k: v for k, v in fields.items() if k not in ENGINE_MAY_OMIT}
+    out.update(content=engine_content, torch=request["torch"])
+    if theirs.revision is not None:
+        out["revision"] = theirs.revision
+    return out
 
 
 def fingerprint(fields: dict[str, Any]) -> str:

@@ -12,10 +12,10 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from .checkpoint import dtype_name
-import torch
+if TYPE_CHECKING:  # no torch at import: a restarted agent checks a recorded layout's hash without it
+    import torch
 
 # 256 bytes: the widest alignment a CUDA kernel or a vector load asks of a tensor start.
 TENSOR_ALIGNMENT = 256
@@ -53,8 +53,8 @@ class ArenaLayout:
 
     @functools.cached_property  # hashes every slot: computed once per layout, not per attach
     def layout_hash(self) -> str:
-        canon = [[s.name, s.offset, list(s.shape), list(s.stride), dtype_name(s.dtype), s.kind] for s in self.slots]
-        return hashlib.sha256(json.dumps([self.size, canon], separators=(",", ":")).encode()).hexdigest()[:16]
+        return hash_rows(self.size, [[s.name, s.offset, list(s.shape), list(s.stride), dtype_name(s.dtype), s.kind]
+                                     for s in self.slots])
 
     def to_manifest(self) -> dict[str, list]:
         """Columns, not one object per tensor, and each distinct (dtype, shape, stride) sent once:
@@ -68,6 +68,15 @@ class ArenaLayout:
             "form": index,
             "forms": [[dtype, list(shape), list(stride)] for dtype, shape, stride in forms],
         }
+
+
+def hash_rows(size: int, rows: list[list[Any]]) -> str:
+    """The layout hash of an arena of `size` bytes holding `rows` of [name, offset, shape, stride, dtype, kind]."""
+    return hashlib.sha256(json.dumps([size, rows], separators=(",", ":")).encode()).hexdigest()[:16]
+
+
+def dtype_name(dtype: "torch.dtype") -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def lay_out(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...], str]], granularity: int = 4096) -> ArenaLayout:

@@ -197,8 +197,20 @@ def write_private(path: str, doc: Any) -> None:
         os.close(dir_fd)
 
 
-def read_private(path: str) -> Any:
-    """JSON from `path`, or None unless it is a small regular file of ours that nobody else can read or write."""
+def _read_all(fd: int, size: int) -> bytes:
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, left)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_private(path: str, limit: int = MAX_STATE_BYTES) -> Any:
+    """JSON from `path`, or None unless it is a regular file of ours, at most `limit` bytes, that nobody
+    else can read or write."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
@@ -208,9 +220,9 @@ def read_private(path: str) -> Any:
     try:
         st = os.fstat(fd)
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077
-                or st.st_size > MAX_STATE_BYTES):
+                or st.st_size > limit):
             return None
-        raw = os.read(fd, MAX_STATE_BYTES)
+        raw = _read_all(fd, st.st_size)
     finally:
         os.close(fd)
     try:

@@ -30,23 +30,28 @@ import json
 import logging
 import os
 import re
+import resource
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
-from ..load.fingerprint import RevisionRequired, differences, fields_for_request
+from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
 from ..arena.cpu import CpuArena
 from ..arena.devices import Device
-from ..load.plan import LoadProgress
-from ..load.loader import LoadedCache, PreparedCache, fill_cache, loaded_from, new_cpu_arena, prepare_cache
+from ..load.prefetch import Prefetch, lead_for, shard_paths
+from ..load.progress import LoadProgress
 from ..spec import CacheSpec
 from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
                      read_private, write_private)
+from .prepared_record import RecordedCache, read_record, write_record
+
+if TYPE_CHECKING:  # the loader imports torch: only a load from disk needs it (see `load`)
+    from ..load.loader import LoadedCache, PreparedCache
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +112,9 @@ class Agent:
         self.max_leases = max_leases
         self.max_pending = max_pending
         self._pending: dict[int, socket.socket] = {}  # connection id -> socket, oldest first
+        # Its own lock: the accept loop must never wait behind `_lock`, which attaches hold across
+        # a durable state write (a status request would queue behind every attach in flight).
+        self._pending_lock = threading.Lock()
         self._previous: dict[str, Any] | None = None  # the predecessor's state file, read once at bind
         self._claimed: set[str] = set()  # token hashes of the predecessor's leases already rejoined
         self._waiting = 0  # attaches waiting for the load to finish
@@ -132,6 +140,7 @@ class Agent:
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
         self.misses = 0  # attaches refused because this cache cannot serve what was asked (fingerprint, failed load)
+        self.prefetched = 0  # checkpoint bytes read ahead of the fill while the process started up
         self._ready = threading.Event()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
@@ -175,13 +184,27 @@ class Agent:
         threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
 
     def load(self) -> None:
-        """Prepare from headers, then adopt an arena an engine hands back, or load from disk."""
+        """Prepare from headers, then adopt an arena an engine hands back, or load from disk.
+
+        With engines to adopt from, the plan comes from the predecessor's record when it still
+        holds (prepared_record.py): no torch, no header read, until a load from disk needs them.
+        """
         self.phase = "preparing"
+        prefetch = None
+        if self.spec.tp_size == 1 and not (
+                self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases")):
+            # A load from disk is coming: keep the disk busy while torch, CUDA and the plan start up.
+            # (One rank reads every byte; a tensor-parallel rank reads only its shards, so whole files would waste the disk.)
+            paths = shard_paths(os.path.abspath(self.spec.model))
+            prefetch = Prefetch(paths, lambda: self.progress.bytes_done, lead_for(paths, self.device.backend == "cpu"))
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark()
             t0 = time.monotonic()
-            self.prepared = prepare_cache(self.spec, device=device_mark)
+            recorded = None
+            if self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases"):
+                recorded = read_record(self._record_path, self.spec, device_mark)
+            self.prepared = recorded or _prepare(self.spec, device_mark)
             self.timings["prepare"] = time.monotonic() - t0
             self._adoptable = self.adopt_wait > 0 and bool(self._previous_leases())
             self._prepared.set()
@@ -193,22 +216,37 @@ class Agent:
                 with self._lock:  # a rejoin racing the timeout either adopted already or will not
                     self._adoptable = False
                 if self._adopted_arena is not None:
-                    self.cache = loaded_from(self.prepared, self._adopted_arena, time.monotonic() - t0)
+                    if recorded is not None:
+                        self.cache = recorded.loaded(self._adopted_arena, time.monotonic() - t0)
+                    else:
+                        from ..load.loader import loaded_from
+
+                        self.cache = loaded_from(self.prepared, self._adopted_arena, time.monotonic() - t0)
                     self.adopted = True
                     log.info("re-adopted the arena from an engine in %.1fms; nothing read from disk",
                              self.cache.load_seconds * 1e3)
             if self.cache is None:
+                from ..load.loader import fill_cache
+
+                if recorded is not None:  # nobody handed the arena back: plan from the checkpoint after all
+                    self.prepared = _prepare(self.spec, device_mark)
                 self.phase = "loading"
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
+                recorded = None
         except BaseException as e:
+            if prefetch is not None:
+                prefetch.stop()
             self.phase, self.error = "failed", str(e)
             self._prepared.set()
             self._ready.set()  # wake waiting attaches so they get the error
             raise
+        if prefetch is not None:
+            prefetch.stop()
+            self.prefetched = prefetch.read
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
         if self.leases():  # engines that rejoined during the load hold the arena too
@@ -219,17 +257,18 @@ class Agent:
                     log.warning("cannot record the engines that rejoined in %s: %s", self._state_path, e)
         self.phase = "ready"
         self._ready.set()
+        if recorded is None:  # planned from the checkpoint: what a successor may serve from (after ready: off the clock)
+            try:
+                write_record(self._record_path, self.prepared)
+            except OSError as e:  # a restart then plans from the checkpoint: slower, not wrong
+                log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
 
     def _device_mark(self) -> str:
         if self.device.backend == "cpu":
             return "cpu"
-        import torch
+        from ..arena.cuda import device_mark
 
-        from ..arena.cuda import granularity
-
-        granularity(self.device.ordinal)  # creates the device's primary context
-        major, minor = torch.cuda.get_device_capability(self.device.ordinal)
-        return f"sm_{major}{minor}/cuda-{torch.version.cuda}"
+        return device_mark(self.device.ordinal)  # through the driver: makes the primary context, imports no torch
 
     def _new_arena(self, size: int, fd: int | None = None) -> Any:
         """A fresh arena for the prepared layout, or (with `fd`) one handed back by an engine."""
@@ -240,6 +279,8 @@ class Agent:
         if fd is not None:
             return CpuArena.adopt(fd, size)
         assert self.prepared is not None
+        from ..load.loader import new_cpu_arena
+
         return new_cpu_arena(self.prepared, name=f"weightcache:{os.path.basename(self.socket_path)}")
 
     # -- state kept for a restarted agent ------------------------------------------------------
@@ -247,6 +288,10 @@ class Agent:
     @property
     def _state_path(self) -> str:
         return sidecar_path(self.socket_path, "state")
+
+    @property
+    def _record_path(self) -> str:
+        return sidecar_path(self.socket_path, "prepared")
 
     def _state(self) -> dict[str, Any] | None:
         if self.prepared is None:
@@ -336,12 +381,17 @@ class Agent:
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,
+            "prefetched_bytes": self.prefetched,
+            # The agent's own high-water mark (a cold load's staging, a manifest), not the arena's memory.
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "attaches": self.attaches,
             "misses": self.misses,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
-            "clients": [lease.to_json() for lease in self.leases()],
+            # Without the lock, which attaches hold across a durable state write: status must answer
+            # at once while dozens of engines attach. Copying a dict's values is atomic under the GIL.
+            "clients": [lease.to_json() for lease in sorted(list(self._leases.values()), key=lambda lease: lease.since)],
         }
         return out
 
@@ -372,7 +422,7 @@ class Agent:
                 conn.close()
                 continue
             key = next(ids)
-            with self._lock:
+            with self._pending_lock:
                 self._pending[key] = conn
                 over = len(self._pending) > self.max_pending
             if over:
@@ -381,7 +431,7 @@ class Agent:
 
     def _drop_oldest_pending(self) -> None:
         """Make room: a connection still sending its first request is dropped, oldest first."""
-        with self._lock:
+        with self._pending_lock:
             if not self._pending:
                 return
             key = next(iter(self._pending))
@@ -455,7 +505,7 @@ class Agent:
             conn.close()
 
     def _done_pending(self, key: int) -> None:
-        with self._lock:
+        with self._pending_lock:
             self._pending.pop(key, None)
 
     def _attach(self, conn: socket.socket, message: dict[str, Any], peer: int | None, uid: int) -> Lease | None:
@@ -543,10 +593,25 @@ class Agent:
         key = json.dumps(request, sort_keys=True)
         fields = self._engine_fields.get(key)
         if fields is None:
-            fields = fields_for_request(request, self.cache.checkpoint)
+            cache = self.cache
+            if isinstance(cache, RecordedCache):
+                signature, revision = cache.signature, cache.revision
+            else:
+                signature, revision = cache.checkpoint.signature, cache.checkpoint.revision
+            fields = same_spec_fields(request, self.spec, cache.fields, signature, revision)
+            if fields is None:  # another spec: derive its fields from the checkpoint itself
+                fields = fields_for_request(request, self._checkpoint())
             if len(self._engine_fields) < 64:  # bounded: a stream of odd requests must not grow it
                 self._engine_fields[key] = fields
         return dict(fields)
+
+    def _checkpoint(self) -> Any:
+        """The parsed checkpoint; after a re-adoption from the record, parsed on first need."""
+        if self.cache.checkpoint is None:
+            from ..load.checkpoint import open_checkpoint
+
+            self.cache.checkpoint = open_checkpoint(self.spec.model)
+        return self.cache.checkpoint
 
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
                   token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
@@ -818,3 +883,9 @@ def _shutdown(conn: socket.socket) -> None:
         conn.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
+
+
+def _prepare(spec: CacheSpec, device_mark: str) -> "PreparedCache":
+    from ..load.loader import prepare_cache  # imports torch: only here, where a plan is made
+
+    return prepare_cache(spec, device=device_mark)

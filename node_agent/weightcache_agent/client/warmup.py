@@ -1,0 +1,80 @@
+"""`prepare()`: pay what a process pays once for its first attach while the engine starts.
+
+A first attach in a fresh process costs more than later ones, for work that happens once
+per process: importing the attach path (torch, the C bind loop, cuda-bindings), looking up
+the GPU's ordinal by UUID, the driver's first import / reserve / map / set-access of a
+shared allocation, and torch's first tensor over foreign device memory and its first
+strided views of it. `prepare` does all of it on a small arena of its own -- made, exported,
+imported and mapped read-only exactly as an agent's, then bound into a one-parameter module --
+so that the engine's real attach is a later attach. Nothing of the agent is touched; an
+engine calls it while it starts (before or while building its model), and may skip it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..arena.cpu import CpuArena, map_readonly
+from .rebind import bind_manifest
+
+_SIZE = 4096
+
+
+def prepare(device: int | str | None = None) -> dict[str, float]:
+    """Warm the attach path for `device` ("cpu", a CUDA ordinal, or None: the current CUDA device
+    when CUDA is available, else cpu). Returns seconds per step, for a log line."""
+    from . import session  # noqa: F401  (the attach module and everything it imports)
+
+    took: dict[str, float] = {}
+    t0 = time.perf_counter()
+    _dry_run(map_readonly, _cpu_arena)
+    took["cpu"] = time.perf_counter() - t0
+    if device is None:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    if device != "cpu":
+        t1 = time.perf_counter()
+        _prepare_cuda(int(str(device).removeprefix("cuda:")))
+        took["cuda"] = time.perf_counter() - t1
+    return took
+
+
+def _cpu_arena() -> tuple[Any, str]:
+    arena = CpuArena(_SIZE, name="weightcache:prepare")
+    arena.seal()
+    return arena, "cpu"
+
+
+def _prepare_cuda(ordinal: int) -> None:
+    from ..arena.cuda import CudaArena, granularity, map_readonly_cuda
+    from ..arena.devices import cuda_devices, local_ordinal
+
+    uuid = next(d.uuid for d in cuda_devices() if d.ordinal == ordinal)
+    local_ordinal(uuid)  # remembered from here on
+    torch.empty(1, device=f"cuda:{ordinal}")
+
+    def make() -> tuple[Any, str]:
+        return CudaArena(granularity(ordinal), ordinal, uuid), uuid
+
+    _dry_run(lambda fd, size, where: map_readonly_cuda(fd, size, where), make)
+    torch.cuda.synchronize(ordinal)
+
+
+def _dry_run(map_arena: Any, make: Any) -> None:
+    """Make an arena, map it read-only from a dup of its fd (as an engine receives it), bind a module."""
+    arena, where = make()
+    fd = os.dup(arena.fd)
+    try:
+        base = map_arena(fd, arena.size, where) if where != "cpu" else map_arena(fd, arena.size)
+        module = nn.Module()
+        module.weight = nn.Parameter(torch.empty((2, 4), dtype=torch.bfloat16, device="meta"))
+        bind_manifest(module, base, {"name": ["weight"], "offset": [0], "form": [0],
+                                     "forms": [["bfloat16", [2, 4], [4, 1]]]})
+        assert module.weight.data_ptr() == base.data_ptr()
+        del module, base
+    finally:
+        os.close(fd)
+        arena.close()

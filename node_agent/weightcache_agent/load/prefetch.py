@@ -1,0 +1,105 @@
+"""Read a checkpoint's first bytes while the process is still starting up, so the disk never idles.
+
+An agent's cold load cannot fill before it has torch, a CUDA context and a plan (seconds on
+a GPU host, mostly the import of torch), but the disk can already work: `Prefetch` reads the
+shard files in the order the fill will read them (file order, sequentially) into the page
+cache, from the moment the agent starts. The fill then finds those bytes cached and catches
+up at memory speed (bytes cached already are skipped, not copied), and the prefetcher stops as soon as it has (from there the fill keeps
+the disk busy itself) or once it would run more than `lead` bytes ahead of the fill (the
+page cache is not the arena: the lead bounds what is held twice). Needs no torch and no
+parsed header: the file list comes from the index or the directory, as `checkpoint` makes it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import threading
+import time
+from typing import Callable
+
+from .pagecache import cached_share
+
+log = logging.getLogger(__name__)
+
+CHUNK = 16 << 20
+MIN_LEAD = 1 << 30
+
+
+def lead_for(paths: list[str], host_arena: bool) -> int:
+    """How far ahead of the fill the prefetch may read: half the memory left once a host arena
+    (the cpu backend's memfd, about the checkpoint's size) is counted, at least `MIN_LEAD`."""
+    from ..arena.cpu import available_memory
+
+    total = sum(os.path.getsize(p) for p in paths if os.path.exists(p))
+    return max(MIN_LEAD, (available_memory() - (total if host_arena else 0)) // 2)
+
+
+def shard_paths(directory: str) -> list[str]:
+    """The shard files in the order the fill reads them; [] when the directory cannot say."""
+    try:
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []  # the load itself will say what is wrong with the checkpoint
+    return [os.path.join(directory, n) for n in names if isinstance(n, str) and "/" not in n]
+
+
+class Prefetch:
+    """A thread reading `paths` ahead of a fill whose progress `done()` reports (bytes read)."""
+
+    def __init__(self, paths: list[str], done: Callable[[], int], lead: int = MIN_LEAD):
+        self.paths, self.done, self.lead = paths, done, lead
+        self.read = 0
+        self.seconds = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        buf = bytearray(CHUNK)
+        view = memoryview(buf)
+        try:
+            for path in self.paths:
+                # Non-blocking open, regular files only: a FIFO or device in place of a shard is the
+                # load's to refuse, never something to wait on here.
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+                try:
+                    if not stat.S_ISREG(os.fstat(fd).st_mode):
+                        return
+                    os.set_blocking(fd, True)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                    size, position = os.fstat(fd).st_size, 0
+                    while not self._stop.is_set():
+                        done = self.done()
+                        if done > 0 and done >= self.read:  # the fill caught up: it reads the disk itself now
+                            return
+                        if self.read - done >= self.lead:
+                            self._stop.wait(0.05)
+                            continue
+                        if cached_share(fd, position, CHUNK) >= 0.99:  # cached already: copying would only cost CPU
+                            n = max(0, min(CHUNK, size - position))
+                        else:
+                            n = os.preadv(fd, [view], position)
+                        if n == 0:
+                            break
+                        position += n
+                        self.read += n
+                finally:
+                    os.close(fd)
+                if self._stop.is_set():
+                    return
+        except OSError as e:
+            log.debug("prefetch stopped: %s", e)
+        finally:
+            self.seconds = time.monotonic() - started

@@ -1,0 +1,70 @@
+"""The start-up read-ahead: reads shard files in the fill's order, no further than its lead,
+stops once the fill has caught up, and never waits on a non-regular file."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+from weightcache_agent.load.pagecache import cached_share
+from weightcache_agent.load.prefetch import CHUNK, Prefetch, shard_paths
+
+
+def _shards(tmp_path, sizes):
+    names = {}
+    for i, size in enumerate(sizes):
+        name = f"model-{i:05d}.safetensors"
+        (tmp_path / name).write_bytes(os.urandom(size))
+        names[f"t{i}"] = name
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": names}))
+    return str(tmp_path)
+
+
+def test_order_comes_from_the_index_and_foreign_names_are_dropped(tmp_path):
+    (tmp_path / "b.safetensors").write_bytes(b"x")
+    (tmp_path / "a.safetensors").write_bytes(b"x")
+    assert [os.path.basename(p) for p in shard_paths(str(tmp_path))] == ["a.safetensors", "b.safetensors"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"x": "b.safetensors", "y": "../etc/passwd", "z": "a.safetensors"}}))
+    assert [os.path.basename(p) for p in shard_paths(str(tmp_path))] == ["a.safetensors", "b.safetensors"]
+    assert shard_paths(str(tmp_path / "missing")) == []
+
+
+def test_reads_ahead_up_to_its_lead_then_stops_once_the_fill_catches_up(tmp_path):
+    model = _shards(tmp_path, [3 * CHUNK, 2 * CHUNK])
+    paths = shard_paths(model)
+    for path in paths:  # cold, so the read-ahead really reads
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    done = [0]
+    prefetch = Prefetch(paths, lambda: done[0], lead=2 * CHUNK)
+    deadline = time.monotonic() + 10
+    while prefetch.read < 2 * CHUNK and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert prefetch.read == 2 * CHUNK, "the read-ahead went past its lead"
+    done[0] = CHUNK  # the fill moves: the lead moves with it
+    while prefetch.read < 3 * CHUNK and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert prefetch.read == 3 * CHUNK
+    fd = os.open(paths[0], os.O_RDONLY)
+    try:
+        assert cached_share(fd, 0, 3 * CHUNK) > 0.9, "what was read ahead is not in the page cache"
+    finally:
+        os.close(fd)
+    done[0] = 3 * CHUNK  # caught up: the thread ends on its own
+    prefetch._thread.join(5)
+    assert not prefetch._thread.is_alive()
+    assert prefetch.read == 3 * CHUNK
+
+
+def test_a_fifo_in_place_of_a_shard_is_not_waited_on(tmp_path):
+    fifo = tmp_path / "model-00000.safetensors"
+    os.mkfifo(fifo)
+    prefetch = Prefetch([str(fifo)], lambda: 0)
+    stopper = threading.Thread(target=prefetch.stop)
+    stopper.start()
+    stopper.join(5)
+    assert not stopper.is_alive() and prefetch.read == 0
