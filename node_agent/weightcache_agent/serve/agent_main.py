@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", default="none", help="none | fp8-block")
     p.add_argument("--tp-size", type=int, default=1)
     p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--peer-socket", help="another replica's socket for this rank: copy its arena (device to device) "
+                                         "instead of reading the checkpoint; the disk if that fails")
     p.add_argument("--sharding", help="sharding preset name or YAML rules file")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
     p.add_argument("--revision", help="revision label shown in status")
@@ -108,7 +110,8 @@ def main(argv: list[str]) -> int:
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
                   adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
-                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None)
+                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None,
+                  peer=args.peer_socket)
     try:
         agent.bind()
     except AccessError as e:
