@@ -120,6 +120,7 @@ def main(argv: list[str]) -> int:
 
 
 def _follow(options: "object") -> int:
+    from .server import _prepare_device, load_model
     from .tp_engine import check_tp_options, follow
 
     try:
@@ -128,7 +129,7 @@ def _follow(options: "object") -> int:
         print(f"weightcache engine: {e}", file=sys.stderr)
         return 2
     try:
-        return follow(options)
+        return follow(options, load_model, _prepare_device)
     except (WeightCacheError, ValueError, OSError) as e:
         log.error("cannot serve: %s", e)
         return 1

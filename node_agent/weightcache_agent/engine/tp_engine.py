@@ -76,10 +76,13 @@ def _valid_run(order: dict[str, Any]) -> tuple[list[int], int] | None:
     return None
 
 
-def follow(options: Any) -> int:
-    """Run rank `options.tp_rank` > 0 until rank 0 goes away (then retire: exit 0 after the lease ends)."""
+def follow(options: Any, load_model: Callable[..., Any], prepare_device: Callable[[str], None]) -> int:
+    """Run rank `options.tp_rank` > 0 until rank 0 goes away (then retire: exit 0 after the lease ends).
+
+    `load_model` and `prepare_device` are the engine's own (engine.server), passed in so this
+    module, which the server imports, never imports it back.
+    """
     from ..client.session import socket_from_env
-    from .server import _prepare_device, load_model
 
     check_tp_options(options)
     host, port = parse_init(options.dist_init)
@@ -93,7 +96,7 @@ def follow(options: Any) -> int:
 
     if options.mode != "off":
         try:
-            _prepare_device(options.socket or socket_from_env(rank))
+            prepare_device(options.socket or socket_from_env(rank))
         except ValueError:
             pass
     model, attachment = load_model(options.spec(), mode=options.mode, socket=options.socket, fallback=options.fallback,
