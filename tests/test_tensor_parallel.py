@@ -29,7 +29,8 @@ from weightcache_agent.errors import CheckpointError
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.load.loader import load_cache
 from weightcache_agent.serve.process_group import ProcessGroup
-from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.testing.synthetic import LlamaShape, llama_tensors, write_checkpoint, write_llama_checkpoint
+from weightcache_agent.testing.synthetic_moe import fp8_config, prequantize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Every TP=2 split falls on the 128 grid of block FP8: q/k/v rows 256 -> 128 per rank, o_proj columns
@@ -107,12 +108,15 @@ def test_tp_engine_options_are_checked():
 
 
 def test_fp8_block_straddling_two_ranks_is_refused(workdir):
-    """intermediate 384 over 2 ranks: 192 rows each, so the 128-row block at rows 128..255 would be split."""
+    """A block-FP8 checkpoint with intermediate 384: 192 rows per rank would split the block of rows 128..255
+    and its weight_scale_inv row between the ranks, so TP=2 is refused; TP=1 loads it."""
     shape = LlamaShape(**{**SHAPE.__dict__, "intermediate_size": 384})
-    ck = write_llama_checkpoint(os.path.join(workdir, "straddle"), shape, seed=3)
-    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj.*192 wide.*128-element FP8 block boundary.*straddle ranks"):
+    tensors = prequantize(llama_tensors(shape, seed=3))
+    ck = write_checkpoint(os.path.join(workdir, "straddle"), tensors, fp8_config(shape.config(torch.bfloat16)))
+    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj.*192 wide.*128-element FP8 block boundary"
+                                              r".*straddle ranks"):
         load_cache(CacheSpec(model=ck, tp_size=2, tp_rank=0, quantization="fp8-block"))
-    load_cache(CacheSpec(model=ck, tp_size=2, tp_rank=1)).arena.close()  # unquantized, the same split is fine
+    load_cache(CacheSpec(model=ck, quantization="fp8-block")).arena.close()
 
 
 def test_tp2_groups_fail_over_whole(model, workdir):

@@ -108,12 +108,8 @@ def shard_for(checkpoint: Checkpoint, record: TensorRecord, spec: CacheSpec, pla
         split(weight, dim, parts, spec.tp_rank, spec.tp_size, block=fp8.BLOCK)
         return split(record, dim, tuple(p // fp8.BLOCK for p in parts), spec.tp_rank, spec.tp_size)
     parts = fused_parts(checkpoint, record, rule, dim)
-    prequantized = record.dtype == fp8.FP8 and len(record.shape) == 2 and fp8.scale_name(record.name) in checkpoint.tensors
-    # Quantized on load, a rank's slice must also fall on the 128 grid: then each rank holds exactly the
-    # blocks (and scales) of the whole tensor's quantization, and TP=N serves the numbers TP=1 does.
-    on_load = (spec.quantization == "fp8-block" and record.dtype.is_floating_point and record.dtype.itemsize > 1
-               and fp8.quantizable(record.name, record.shape))
-    block = fp8.BLOCK if prequantized or on_load else 1
+    block = fp8.BLOCK if record.dtype == fp8.FP8 and len(record.shape) == 2 and (
+        fp8.scale_name(record.name) in checkpoint.tensors) else 1
     return split(record, dim, parts, spec.tp_rank, spec.tp_size, block=block)
 
 
