@@ -174,6 +174,7 @@ def main() -> int:
     p.add_argument("--attaches", type=int, default=3)
     p.add_argument("--restarts", type=int, default=3)
     p.add_argument("--failovers", type=int, default=6)
+    p.add_argument("--min-tensors", type=int, default=2000)
     p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the script's logic")
     args = p.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -182,7 +183,7 @@ def main() -> int:
 
         model = write_llama_checkpoint(os.path.join(args.dir, "tiny"), LlamaShape(hidden_size=256, num_key_value_heads=8))
     else:
-        model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib, 2000)
+        model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib, args.min_tensors)
     ck = open_checkpoint(model)
     size = ck.nbytes
     work = tempfile.mkdtemp(prefix="wc-tp-")
