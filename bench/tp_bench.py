@@ -215,7 +215,7 @@ def main() -> int:
             attaches[rank].append(got["seconds"])
     result["first_attach"] = attaches
 
-    procs = ProcessGroup(os.path.join(work, "engines"))
+    procs = ProcessGroup(os.path.join(work, "engines"), remove_run_dir=False)
     try:
         # -- restart: a whole TP=2 engine, process start -> first token ---------------------------
         restarts = []
@@ -238,6 +238,7 @@ def main() -> int:
             victim = primary[t % 2]
             time.sleep(0.2)
             t0 = time.perf_counter()
+            result.setdefault("kill_wallclock", []).append(time.time())  # to line up with the logs' timestamps
             victim.kill(signal.SIGKILL)
             failovers.append(first_token(standby[0], t0))
             survivor = primary[1 - t % 2]
@@ -328,10 +329,25 @@ def main() -> int:
     return 0
 
 
+def save_logs(out: str) -> None:
+    """Every log of this run (supervisors with their workers' lines, engine ranks) in one archive."""
+    import glob
+    import tarfile
+
+    os.makedirs(out, exist_ok=True)
+    with tarfile.open(os.path.join(out, "tp_logs.tar.gz"), "w:gz") as tar:
+        for path in glob.glob("/tmp/wc-tp-*/**/*.log", recursive=True):
+            tar.add(path, arcname=os.path.relpath(path, "/tmp"))
+
+
 if __name__ == "__main__":
     try:
         sys.exit(main())
     finally:
+        try:
+            save_logs(os.environ.get("OUT", "."))
+        except OSError as e:
+            print(f"logs not saved: {e}", file=sys.stderr)
         for child in CHILDREN:
             if child.poll() is None:
                 child.kill()

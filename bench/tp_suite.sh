@@ -12,7 +12,7 @@ OUT="${OUT:-/tmp/wc-out}"; mkdir -p "$OUT"
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" \
   | tee -a "$OUT/machine.txt"
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
-timeout 400 python3 -m pytest -q -p no:cacheprovider tests/test_tp_cuda.py tests/test_tensor_parallel.py 2>&1 \
+timeout 400 python3 -m pytest -q -p no:cacheprovider ${TP_TESTS:-tests/test_tp_cuda.py tests/test_tensor_parallel.py} 2>&1 \
   | tail -40 | tee "$OUT/tp_tests.log"
 tests=${PIPESTATUS[0]}
 timeout 480 python3 bench/tp_bench.py --gib "${1:-64}" --out "$OUT" "${@:2}" > "$OUT/tp_bench.log" 2>&1

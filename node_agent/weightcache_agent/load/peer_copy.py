@@ -56,13 +56,15 @@ def fill_from_peer(source: str, prepared: Any, arena: Any, timeout: float = 3600
         diff = differences(prepared.fields, fields)
         if diff:
             raise PeerCopyRefused(f"replica at {source} holds other weights (differs in {', '.join(diff)})")
-        size = prepared.layout.size
-        if reply.get("layout_hash") != prepared.layout.layout_hash or not isinstance(arenas[0].get("size"), int) \
-                or arenas[0]["size"] < size or reply.get("backend") != arena.backend:
+        size, mapped = prepared.layout.size, arenas[0].get("size")
+        # The source's arena is the layout rounded up to its allocation granularity (a mapping must cover
+        # whole granules); anything else is another layout.
+        if reply.get("layout_hash") != prepared.layout.layout_hash or not isinstance(mapped, int) \
+                or not size <= mapped <= arena.size or reply.get("backend") != arena.backend:
             raise PeerCopyRefused(f"replica at {source} lays its arena out differently")
         t0 = time.monotonic()
         if arena.backend == "cuda":
-            _copy_cuda(fds[0], size, str(arenas[0].get("device")), arena)
+            _copy_cuda(fds[0], mapped, size, str(arenas[0].get("device")), arena)
         else:
             _copy_cpu(fds[0], size, arena)
         copy_seconds = time.monotonic() - t0
@@ -91,10 +93,10 @@ def _connect(path: str, timeout: float) -> Any:
             time.sleep(0.05)
 
 
-def _copy_cuda(fd: int, size: int, owner_uuid: str, arena: Any) -> None:
+def _copy_cuda(fd: int, mapped: int, size: int, owner_uuid: str, arena: Any) -> None:
     from ..arena.cuda import PeerView
 
-    view = PeerView(fd, size, owner_uuid, readers=[arena.ordinal])
+    view = PeerView(fd, mapped, owner_uuid, readers=[arena.ordinal])
     try:
         view.copy_into(arena.device_tensor()[:size])
     finally:
