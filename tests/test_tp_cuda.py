@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from test_supervisor import Node
-from test_tensor_parallel import PROMPT, SHAPE, arena_bytes, rendezvous
+from test_tensor_parallel import PROMPT, SHAPE, rendezvous
 from weightcache_agent import CacheSpec
 from weightcache_agent.testing.synthetic import write_llama_checkpoint
 
@@ -126,6 +126,15 @@ def test_nccl_tp2_logits_equal_tp1(model, nodes, workdir):
         assert got["tokens"] == ref.generate(PROMPT, 6), quant
 
 
+ARENA_DIGEST = textwrap.dedent("""
+    import hashlib, json, sys
+    from test_tensor_parallel import arena_bytes
+    from weightcache_agent import CacheSpec
+    data = arena_bytes(sys.argv[1], CacheSpec(model=sys.argv[2])).cpu().numpy().tobytes()
+    print(json.dumps({"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}))
+""")
+
+
 def test_second_replica_on_the_other_gpu_is_a_peer_copy(model, workdir):
     node = Node(model, os.path.join(workdir, "replicas"), tp_size=1, backend="cuda")
     try:
@@ -133,8 +142,14 @@ def test_second_replica_on_the_other_gpu_is_a_peer_copy(model, workdir):
         first, second = status["ranks"]
         assert first["device"] != second["device"]
         assert (first["filledFrom"], second["filledFrom"]) == ("disk", "peer")
-        a, b = arena_bytes(first["socket"], CacheSpec(model=model)), arena_bytes(second["socket"], CacheSpec(model=model))
-        assert a.device != b.device and a.numel() > 0
-        assert torch.equal(a.cpu(), b.cpu())
+        # Each arena hashed by a process that sees only its GPU: the comparison needs no context on both.
+        digests = []
+        for rank in (first, second):
+            out = subprocess.run([sys.executable, "-c", ARENA_DIGEST, rank["socket"], model], capture_output=True,
+                                 text=True, timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": rank["device"],
+                                      "PYTHONPATH": HERE + os.pathsep + os.environ.get("PYTHONPATH", "")})
+            assert out.returncode == 0, out.stderr[-2000:]
+            digests.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        assert digests[0]["bytes"] > 0 and digests[0] == digests[1]
     finally:
         node.stop()
