@@ -181,7 +181,10 @@ class Engine:
 
     def _update_role(self) -> None:
         if self.tp is not None and self.attachment is not None:
-            self.role = self.tp.role()
+            previous, self.role = self.role, self.tp.role()
+            if previous != self.role:
+                log.warning("tensor-parallel engine is %s now (primary only while every rank is); %s", self.role,
+                            "serving traffic" if self.ready else "not serving")
 
     def _on_promote(self, attachment: Attachment) -> None:
         # Runs on the client's lease thread the moment the agent's message arrives.
@@ -189,6 +192,9 @@ class Engine:
         self.role = attachment.role
         self._update_role()  # tensor parallel: primary only once every rank is
         self.promoted_at = time.monotonic()
+        if self.role != attachment.role:  # tensor parallel, other ranks still standby
+            log.warning("PROMOTED: rank 0 of group %s; serving once every rank is primary", self.options.group)
+            return
         log.warning("PROMOTED: %s -> %s of group %s; now %s", previous, self.role, self.options.group,
                     "serving traffic" if self.ready else f"ready once {self.state} finishes")
 
