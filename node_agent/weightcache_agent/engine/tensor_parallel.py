@@ -16,7 +16,8 @@ Data flow:
     ranks 1..N-1 --RankLink: {"type": "role", rank, role}--> rank 0 (at hello, and when
                   its agent promotes it)
 
-The link is plain TCP next to the collectives' rendezvous (port + 1) and doubles as
+The link is plain TCP next to the collectives' rendezvous (port + 1); like that rendezvous
+it trusts whoever reaches it, so HOST is a loopback or pod-local address. It doubles as
 the group's liveness: a closed link is a dead rank, and every remaining rank of the
 engine retires at once (it ends its lease and exits 0). Their agents then promote the
 standby engine's ranks, one per GPU; the standby's rank 0 serves only when every one of
@@ -40,6 +41,7 @@ log = logging.getLogger("weightcache.engine")
 
 MAX_LINK_FRAME = 1 << 20  # a run request: a prompt of token ids, bounded like an HTTP body
 LINK_CONNECT_SECONDS = 300.0  # how long a rank waits for rank 0 to listen (rank 0 may load later)
+HELLO_SECONDS = 10.0  # a rank that connected sends its hello at once
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)  # an idle standby must not be timed out by the watchdog
 
 
@@ -229,7 +231,7 @@ class LeaderLink:
         try:
             while len(self.peers) < self.size - 1:
                 sock, _ = self._listener.accept()
-                sock.settimeout(timeout)
+                sock.settimeout(HELLO_SECONDS)  # a connection that says nothing cannot hold the set-up up for long
                 peer = _Peer(sock)
                 hello = peer.recv()
                 rank = hello.get("rank") if hello else None
