@@ -76,16 +76,19 @@ def tp1_reference(model: str, quantization: str) -> tuple[torch.Tensor, list[int
 
 
 def test_tp2_forward_on_gloo_equals_tp1(model, workdir):
-    """Two processes, each with its own shard from disk, joined by gloo: the logits of the whole model."""
+    """Rank 1 in its own process, rank 0 in this one, each with its own shard from disk, joined by gloo."""
+    from tp_probe import run_rank
+
     out, init = os.path.join(workdir, "tp2.pt"), rendezvous()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "tp_probe.py"), model, "none,fp8-block", str(rank),
-                               "2", init, out], env=env, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-    for proc in procs:
-        _, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0, err[-2000:]
-    got = torch.load(out)
-    for quant in ("none", "fp8-block"):
+    quants = ("none", "fp8-block")
+    peer = subprocess.Popen([sys.executable, os.path.join(HERE, "tp_probe.py"), model, ",".join(quants), "1", "2", init,
+                             out], env={**os.environ, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True)
+    try:
+        got = run_rank(model, quants, 0, 2, init)
+    finally:
+        _, err = peer.communicate(timeout=120)
+    assert peer.returncode == 0, err[-2000:]
+    for quant in quants:
         logits, tokens = tp1_reference(model, quant)
         # bf16 weights and activations: partial sums added in another order differ by a few ulps
         torch.testing.assert_close(got[quant]["logits"], logits, atol=0.08, rtol=0.03)
