@@ -58,8 +58,10 @@ def test_quantize_matches_reference_rounding_exactly():
 
 
 def test_fp8_under_tp_quantizes_the_rank_slice(tmp_path):
-    model = write_llama_checkpoint(str(tmp_path / "q"), LlamaShape())
+    # every TP=2 split on the 128 grid (k/v 256 rows, intermediate 512: 128 or 256 per rank)
+    model = write_llama_checkpoint(str(tmp_path / "q"), LlamaShape(intermediate_size=512, num_key_value_heads=8))
     full = full_tensors(model)
+    whole = load(model, quantization="fp8-block")[1]
     for rank in range(2):
         held = load(model, quantization="fp8-block", tp_size=2, tp_rank=rank)[1]
         for name, dim in (("model.layers.1.self_attn.o_proj.weight", 1), ("model.layers.1.mlp.up_proj.weight", 0)):
@@ -67,6 +69,9 @@ def test_fp8_under_tp_quantizes_the_rank_slice(tmp_path):
             s = held[fp8.scale_name(name)]
             assert tuple(s.shape) == fp8.scale_shape(tuple(want.shape))
             assert rel_error(fp8.dequantize(held[name], s), want) < 0.035
+            # the scales are sharded with their weights: a rank holds exactly the TP=1 cache's blocks
+            assert torch.equal(held[name].view(torch.uint8), whole[name].view(torch.uint8).chunk(2, dim)[rank])
+            assert torch.equal(s, whole[fp8.scale_name(name)].chunk(2, dim)[rank])
 
 
 def prequantized(tmp_path, family: str = "deepseek"):

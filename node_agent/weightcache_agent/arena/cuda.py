@@ -271,3 +271,54 @@ def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
         fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
     # The mapping owns the imported handle from here on, failed or not.
     return _Mapping(handle, size, ordinal, writable=False, owns_handle=True).tensor()
+
+
+class PeerView:
+    """Another arena's fd (same node, any GPU), mapped read-only for a list of devices.
+
+    What a replica's agent copies its arena from: the source device and the copying device
+    both get read access (peer access over NVLink or PCIe; `CudaError` where the GPUs cannot
+    reach each other), so the copy engine of either can pull the bytes. `ptr` is valid until
+    `release()`.
+    """
+
+    def __init__(self, fd: int, size: int, owner_uuid: str, readers: list[int]):
+        from .devices import local_ordinal
+
+        cu = _driver()
+        self.size, self.ptr = size, None
+        self.owner = local_ordinal(owner_uuid)
+        _activate(self.owner)
+        self._handle = _call(cu.cuMemImportFromShareableHandle(
+            fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
+        try:
+            self.ptr = _call(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+            _call(cu.cuMemMap(self.ptr, size, 0, self._handle, 0), "cuMemMap")
+            self._mapped = True
+            ordinals = sorted({self.owner, *readers})
+            _call(cu.cuMemSetAccess(self.ptr, size, [_access(o, False) for o in ordinals], len(ordinals)),
+                  "cuMemSetAccess (peer read)")
+        except BaseException:
+            self.release()
+            raise
+
+    def copy_into(self, dest: torch.Tensor) -> None:
+        """Copy the first `dest.numel()` bytes into `dest` (a uint8 tensor on any device), then wait."""
+        cu = _driver()
+        torch.cuda.set_device(dest.device)
+        stream = torch.cuda.current_stream(dest.device)
+        _call(cu.cuMemcpyAsync(cu.CUdeviceptr(dest.data_ptr()), cu.CUdeviceptr(int(self.ptr)), dest.numel(),
+                               cu.CUstream(stream.cuda_stream)), "cuMemcpyAsync (peer copy)")
+        stream.synchronize()
+
+    def release(self) -> None:
+        cu = _driver()
+        if self.ptr is not None:
+            if getattr(self, "_mapped", False):
+                cu.cuMemUnmap(self.ptr, self.size)
+                self._mapped = False
+            cu.cuMemAddressFree(self.ptr, self.size)
+            self.ptr = None
+        if self._handle is not None:
+            cu.cuMemRelease(self._handle)
+            self._handle = None

@@ -54,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the agent serves")
     p.add_argument("--tp-rank", type=int, default=0, help="this engine's rank")
+    p.add_argument("--dist-init", help="tcp://HOST:PORT where the ranks of a tensor-parallel engine meet (PORT+1 "
+                                       "carries rank 0's requests to the others); the same on every rank")
     add_quantization_flag(p)
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="dtype of the weights (auto: the checkpoint's)")
     p.add_argument("--max-context", type=int, help="prompt + new tokens limit (default: the model's)")
@@ -87,11 +89,14 @@ def main(argv: list[str]) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    options = EngineOptions(
+        model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
+        tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
+        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init)
+    if args.tp_size > 1 and args.tp_rank > 0:
+        return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
     try:
-        engine = Engine(EngineOptions(
-            model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
-            tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
-            max_context=args.max_context, max_new_tokens=args.max_new_tokens))
+        engine = Engine(options)
     except (ValueError, WeightCacheError) as e:
         print(f"weightcache engine: {e}", file=sys.stderr)
         return 2
@@ -133,3 +138,18 @@ def main(argv: list[str]) -> int:
     if code == 0 and stop.signal == signal.SIGINT:
         return EXIT_INTERRUPTED
     return code
+
+
+def _follow(options: "object") -> int:
+    from .server import _prepare_device, load_model
+    from .tp_engine import check_tp_options, follow
+
+    try:
+        check_tp_options(options)
+    except ValueError as e:
+        return refuse("weightcache engine", str(e), EXIT_USAGE)
+    try:
+        return follow(options, load_model, _prepare_device)
+    except (WeightCacheError, ValueError, OSError) as e:
+        log.error("cannot serve: %s", e)
+        return EXIT_FAILED

@@ -337,6 +337,7 @@ class CausalLM(nn.Module):
         self.rotary = Rotary(config)
         self.model = DecoderModel(config, self.rotary)
         self.lm_head = Linear(config.hidden_size, config.local_vocab, False, config.dtype)
+        self.tensor_parallel = False  # set by engine.tensor_parallel.parallelize: collectives join the ranks
         if config.tie_word_embeddings:
             # One Parameter under both names: rebind fills it once from `model.embed_tokens.weight`.
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -350,9 +351,9 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         """tokens: (batch, seq) int64 -> logits (batch, seq, vocab) in fp32."""
-        if self.config.tp_size != 1:
+        if self.config.tp_size != 1 and not self.tensor_parallel:
             raise NotImplementedError(f"this process holds 1/{self.config.tp_size} of the model: tensor-parallel "
-                                      "forward needs every rank and an all-reduce, which the reference engine lacks")
+                                      "forward needs every rank: engine.tensor_parallel.parallelize joins them")
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
         x = self.model.embed_tokens(tokens)

@@ -33,6 +33,7 @@ from ..load.checkpoint import dtype_from_name, open_checkpoint
 from ..load.fingerprint import resolved_dtype
 from .hf_model import load_transformers_model, native
 from .model import CausalLM, ModelConfig, build_model
+from .tp_engine import TensorParallelLeader, check_tp_options
 from ..spec import CacheSpec
 
 log = logging.getLogger("weightcache.engine")
@@ -56,6 +57,7 @@ class EngineOptions:
     dtype: str = "auto"
     max_context: int | None = None  # prompt + new tokens; default: the model's max_position_embeddings
     max_new_tokens: int = 256
+    dist_init: str | None = None  # tcp://HOST:PORT of the tensor-parallel rendezvous (tp_size > 1)
 
     def spec(self) -> CacheSpec:
         return CacheSpec(model=self.model, tp_size=self.tp_size, tp_rank=self.tp_rank,
@@ -120,6 +122,8 @@ class Engine:
     def __init__(self, options: EngineOptions):
         if options.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {options.role!r}")
+        if options.tp_size > 1:
+            check_tp_options(options)
         self.options = options
         self.spec = options.spec()
         self.role = options.role  # "auto" until the agent says which
@@ -133,6 +137,7 @@ class Engine:
         self.promoted_at: float | None = None
         self.requests = 0
         self._lock = threading.Lock()  # one forward at a time: CPU threads are shared anyway
+        self.tp: TensorParallelLeader | None = None  # rank 0 of a tensor-parallel engine: its peers
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -150,16 +155,20 @@ class Engine:
                                                 role=opts.role, group=opts.group, on_promote=self._on_promote,
                                                 on_demote=self._on_demote)
             self.role = self.attachment.role
+            if opts.tp_size > 1:
+                self.tp = TensorParallelLeader(model, self.attachment, opts, on_change=self._update_role)
+                self._update_role()
             log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s)",
                      os.path.basename(os.path.abspath(opts.model)), self.attachment.source,
                      self.attachment.seconds * 1e3, len(self.attachment.tensors), self.attachment.bytes / 2**20,
                      self.role, opts.group)
             self.state = "warming"
             t0 = time.perf_counter()
-            if model.config.tp_size == 1:
-                # First-call costs (allocator, kernel selection) are paid before traffic, for both
-                # shapes a request takes: a multi-token prefill and one-token decode steps.
-                model.generate([0] * 8, 3)
+            # First-call costs (allocator, kernel selection, the collectives' set-up) are paid before
+            # traffic, for both shapes a request takes: a multi-token prefill and one-token decode steps.
+            if self.tp is not None:
+                self.tp.link.run([0] * 8, 3)
+            model.generate([0] * 8, 3)
             self.model = model
             self.state = "serving"
             log.info("warmed up in %.1f ms; %s", (time.perf_counter() - t0) * 1e3,
@@ -169,14 +178,27 @@ class Engine:
             raise
 
     def close(self) -> None:
+        if self.tp is not None:
+            self.tp.close()  # the other ranks see the link close and retire
         if self.attachment is not None:
             self.attachment.close()
+
+    def _update_role(self) -> None:
+        if self.tp is not None and self.attachment is not None:
+            previous, self.role = self.role, self.tp.role()
+            if previous != self.role:
+                log.warning("tensor-parallel engine is %s now (primary only while every rank is); %s", self.role,
+                            "serving traffic" if self.ready else "not serving")
 
     def _on_promote(self, attachment: Attachment) -> None:
         # Runs on the client's lease thread the moment the agent's message arrives.
         previous = self.role
         self.role = attachment.role
+        self._update_role()  # tensor parallel: primary only once every rank is
         self.promoted_at = time.monotonic()
+        if self.role != attachment.role:  # tensor parallel, other ranks still standby
+            log.warning("PROMOTED: rank 0 of group %s; serving once every rank is primary", self.options.group)
+            return
         log.warning("PROMOTED: %s -> %s of group %s; now %s", previous, self.role, self.options.group,
                     "serving traffic" if self.ready else f"ready once {self.state} finishes")
 
@@ -184,6 +206,7 @@ class Engine:
         # A planned switchover made another engine primary. Requests routed here until the
         # cluster stops routing are still answered (make before break); /readyz says no.
         self.role, self.draining = attachment.role, True
+        self._update_role()
         log.warning("DEMOTED: standby of group %s; draining (still answering until traffic moves)",
                     self.options.group)
 
@@ -290,14 +313,13 @@ class Engine:
         if not (self.ready or (self.draining and self.state == "serving")):
             raise BadRequest(f"not serving: {self.not_ready_reason()}", HTTPStatus.SERVICE_UNAVAILABLE)
         tokens, max_tokens = self.parse_generate(body)
-        if self.spec.tp_size != 1:
-            raise BadRequest(f"tensor-parallel generation (tp_size={self.spec.tp_size}) needs every rank; this "
-                             "reference engine serves tp_size=1 only", HTTPStatus.NOT_IMPLEMENTED)
         assert self.model is not None
         t0 = time.perf_counter()
         self.in_flight += 1  # read by drain(); the GIL makes += on an int safe enough for a gauge
         try:
             with self._lock:
+                if self.tp is not None:
+                    self.tp.link.run(tokens, max_tokens)  # every rank runs the same steps, in this order
                 out = self.model.generate(tokens, max_tokens)
         finally:
             self.in_flight -= 1

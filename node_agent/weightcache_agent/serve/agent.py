@@ -103,8 +103,10 @@ class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0,
                  policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING,
-                 on_promote: Callable[[Lease], None] | None = None):
+                 on_promote: Callable[[Lease], None] | None = None, peer: str | None = None):
         self.spec = spec
+        self.peer = peer  # another replica's socket for this rank: copy its arena instead of reading the disk
+        self.filled_from = "disk"
         # Called (on the thread that promoted) right after a standby is told it is primary:
         # the node-side label write that makes the cluster follow.
         self.on_promote = on_promote
@@ -225,6 +227,8 @@ class Agent:
                     self.adopted = True
                     log.info("re-adopted the arena from an engine in %.1fms; nothing read from disk",
                              self.cache.load_seconds * 1e3)
+            if self.cache is None and self.peer:
+                self.cache = self._fill_from_peer(t0)
             if self.cache is None:
                 from ..load.loader import fill_cache
 
@@ -262,6 +266,30 @@ class Agent:
                 write_record(self._record_path, self.prepared)
             except OSError as e:  # a restart then plans from the checkpoint: slower, not wrong
                 log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
+
+    def _fill_from_peer(self, t0: float) -> LoadedCache | None:
+        """This rank's arena copied from another replica's (load/peer_copy), or None: read the disk."""
+        from ..load.loader import loaded_from
+        from ..load.peer_copy import fill_from_peer
+
+        assert self.prepared is not None
+        self.phase = "loading"
+        t1 = time.monotonic()
+        arena = self._new_arena(self.prepared.layout.size)
+        t2 = time.monotonic()
+        try:
+            info = fill_from_peer(self.peer, self.prepared, arena)
+            arena.seal()
+        except (WeightCacheError, OSError, RuntimeError) as e:
+            arena.close()
+            log.warning("could not copy the arena from the replica at %s (%s); reading the checkpoint instead",
+                        self.peer, e)
+            return None
+        self.filled_from = "peer"
+        # fill: what this replica spent on its bytes, the wait for the source's own load left out
+        self.timings.update(allocate=t2 - t1, peer_wait=info["wait_seconds"], peer_copy=info["copy_seconds"],
+                            fill=time.monotonic() - t2 - info["wait_seconds"])
+        return loaded_from(self.prepared, arena, time.monotonic() - t0)
 
     def _device_mark(self) -> str:
         if self.device.backend == "cpu":
@@ -372,6 +400,7 @@ class Agent:
             "backend": self.device.backend,
             "device": self.device.uuid,
             "adopted": self.adopted,
+            "filled_from": "adopted" if self.adopted else self.filled_from,
             "progress": self.progress.to_json(),
             "fingerprint": cache.fingerprint if cache else None,
             "fields": cache.fields if cache else None,

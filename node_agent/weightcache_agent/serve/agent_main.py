@@ -17,13 +17,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
 from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, CacheSpec
 from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
+
+if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
+    from ..arena.devices import Device
 
 log = logging.getLogger("weightcache.agent")
 
@@ -65,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_quantization_flag(p)
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size: ranks the weights are split over")
     p.add_argument("--tp-rank", type=int, default=0, help="the rank this agent serves (with --socket)")
+    p.add_argument("--peer-socket", help="another replica's socket for this rank: copy its arena (device to device) "
+                                         "instead of reading the checkpoint; the disk if that fails")
     p.add_argument("--sharding", help="sharding preset name or YAML rules file (default: chosen from config.json)")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
     p.add_argument("--revision", help="revision label, part of the fingerprint: an engine that names another "
@@ -173,7 +178,8 @@ def main(argv: list[str]) -> int:
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
                   adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
-                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None)
+                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None,
+                  peer=args.peer_socket)
     try:
         agent.bind()
     except AccessError as e:

@@ -95,8 +95,9 @@ class NodeConfig:
     socket_group: str | None = None
     max_leases: int = 256
     label_pods: str = "auto"
+    peer_copy: bool = True  # replicas after the first fill from it instead of reading the disk
 
-    def worker_argv(self, rank: int, device: Device, socket_path: str) -> list[str]:
+    def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
                 "--model", self.model, "--socket", socket_path,
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
@@ -113,6 +114,8 @@ class NodeConfig:
             argv.append("--expert-parallel")
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
+        if peer is not None:
+            argv += ["--peer-socket", peer]
         return argv
 
 
@@ -173,6 +176,7 @@ class Worker:
                  on_attach: Callable[[int, str, float], None] | None = None, out: TextIO | None = None):
         self.rank, self.device, self.config = rank, device, config
         self.socket = os.path.join(config.socket_dir, device.socket_name)
+        self.peer: str | None = None  # the first replica's socket of this rank, for a replica after it
         self.on_attach = on_attach
         self.out = out or sys.stderr
         self.proc: subprocess.Popen[str] | None = None
@@ -191,7 +195,7 @@ class Worker:
     # -- process -----------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        argv = self.config.worker_argv(self.rank, self.device, self.socket)
+        argv = self.config.worker_argv(self.rank, self.device, self.socket, self.peer)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True,
                                      preexec_fn=die_with_parent)
@@ -336,6 +340,7 @@ class Worker:
             "fingerprint": status.get("fingerprint") or "",
             "attaches": int(status.get("attaches") or 0),
             "misses": int(status.get("misses") or 0),
+            "filledFrom": status.get("filled_from") or "",  # disk, peer (another replica's arena) or adopted
             # Who holds this rank: the operator makes pod labels follow these roles.
             "leases": [_lease_summary(c) for c in (status.get("clients") or [])[:MAX_LEASES_IN_STATUS]],
         }
@@ -397,6 +402,10 @@ class NodeSupervisor:
         self.setup_error = setup_error
         # Replica r of the cache is devices[r*tp : (r+1)*tp]; its workers are ranks 0..tp-1.
         self.workers = [Worker(i % config.tp_size, device, config, on_attach, out) for i, device in enumerate(devices)]
+        if config.peer_copy:
+            # Replicas after the first copy each rank's arena from the first replica's, GPU to GPU.
+            for worker in self.workers[config.tp_size:]:
+                worker.peer = self.workers[worker.rank].socket
         self._stopping = False
         self._heartbeat = time.monotonic()
         self._snapshot = self._build()

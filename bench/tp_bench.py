@@ -1,0 +1,354 @@
+"""Tensor parallelism on one node of two GPUs: restart, failover and replicas, side by side.
+
+One run, one synthetic Llama-shaped checkpoint, measured from the outside:
+  cold      the node supervisor (`weightcache agent --socket-dir --tp-size 2 --devices all`)
+            from process start until both ranks are Ready, page cache dropped: the disk load
+  attach    each rank's first attach in a fresh engine process (CUDA context made first)
+  restart   a whole TP=2 reference engine (two processes, NCCL) from process start to the
+            first token of POST /generate, the weights attached from the supervisor
+  failover  a primary and a standby TP=2 group on the same GPUs: SIGKILL one rank of the
+            primary, time until the standby group's rank 0 answers /generate (200)
+  replicas  the supervisor with --tp-size 1 on both GPUs: replica 0 loads from disk (page
+            cache dropped), replica 1 copies replica 0's arena GPU to GPU; arenas compared
+Every engine rank runs with CUDA_VISIBLE_DEVICES reversed, so it finds its GPU by UUID.
+
+Usage (on the GPU machine): python3 bench/tp_bench.py [--gib 64] [--dir DIR] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
+sys.path.insert(0, HERE)
+
+from gpu_bench import drop_cache, make_checkpoint  # noqa: E402
+from weightcache_agent import CacheSpec, agent_status, protocol  # noqa: E402
+from weightcache_agent.client.session import map_arena  # noqa: E402
+from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
+from weightcache_agent.load.fingerprint import engine_request  # noqa: E402
+from weightcache_agent.serve.process_group import ProcessGroup, http_json  # noqa: E402
+
+PROMPT = [1, 17, 42, 255, 3, 99, 7, 300]
+CHILDREN: list[subprocess.Popen] = []
+
+
+class NodeSupervisor:
+    def __init__(self, model: str, workdir: str, tp_size: int, backend: str = "cuda"):
+        os.makedirs(workdir, exist_ok=True)
+        self.socket_dir, port_file = os.path.join(workdir, "sockets"), os.path.join(workdir, "port")
+        self.log_path = os.path.join(workdir, "node.log")
+        self.started = time.perf_counter()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", self.socket_dir,
+             "--tp-size", str(tp_size), "--devices", "all", "--backend", backend, "--http-port", "0",
+             "--port-file", port_file, "--label-pods", "off"] + (["--replicas", "2"] if backend == "cpu" and tp_size == 1 else []),
+            stdout=open(self.log_path, "w"), stderr=subprocess.STDOUT, env=os.environ)
+        CHILDREN.append(self.proc)
+        while not os.path.exists(port_file):
+            self._alive()
+            time.sleep(0.01)
+        time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{int(open(port_file).read())}"
+
+    def _alive(self) -> None:
+        if self.proc.poll() is not None:
+            raise SystemExit(f"supervisor exited {self.proc.returncode}: {open(self.log_path).read()[-3000:]}")
+
+    def wait_ready(self, timeout: float = 900) -> dict:
+        deadline = time.perf_counter() + timeout
+        while time.perf_counter() < deadline:
+            self._alive()
+            try:
+                code, status = http_json("GET", self.url + "/status", timeout=5)
+            except OSError:
+                code, status = 0, {}
+            if code == 200 and status.get("phase") == "Ready":
+                status["wall_seconds"] = time.perf_counter() - self.started
+                return status
+            if status.get("phase") == "Failed":
+                raise SystemExit(f"node failed: {status.get('message')}")
+            time.sleep(0.02)
+        raise SystemExit("node not ready in time")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(60)
+
+
+def rendezvous() -> str:
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return f"tcp://127.0.0.1:{port}"
+        except OSError:
+            continue
+
+
+def engine_env(status: dict) -> dict:
+    env = {"WEIGHTCACHE_SOCKET_DIR": status["socketDir"], "WEIGHTCACHE_DEVICES": ",".join(status["gpuUUIDs"]),
+           "NCCL_NVLS_ENABLE": "0"}
+    if torch.cuda.is_available():  # reversed: each rank must find its GPU by UUID, not by ordinal
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in reversed(range(torch.cuda.device_count())))
+    return env
+
+
+def start_group(procs: ProcessGroup, model: str, status: dict, name: str, role: str, group: str) -> list:
+    init = rendezvous()
+    return [procs.start_engine(model, f"{name}-r{r}", role=role, group=group, env=engine_env(status),
+                               extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init,
+                                      "--max-context", "64"])
+            for r in range(2)]
+
+
+def first_token(rank0, started: float, timeout: float = 300, interval: float = 0.001) -> float:
+    """Seconds from `started` until rank 0 answers /generate with a token."""
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        try:
+            code, body = rank0.generate(PROMPT, 1)
+        except OSError:
+            code, body = 0, {}
+        if code == 200:
+            return time.perf_counter() - started
+        if not rank0.alive():
+            raise SystemExit(f"{rank0.name} exited: {rank0.log_tail(30)}")
+        time.sleep(interval)
+    raise SystemExit(f"{rank0.name}: no token in {timeout}s: {rank0.log_tail(30)}")
+
+
+ATTACH = r"""
+import json, sys, time, torch
+from weightcache_agent import CacheSpec, attach
+from weightcache_agent.arena.devices import cuda_uuid
+from weightcache_agent.client.session import socket_from_env
+from weightcache_agent.engine.server import _prepare_device, model_config
+from weightcache_agent.engine.model import build_model
+model, rank = sys.argv[1], int(sys.argv[2])
+spec = CacheSpec(model=model, tp_size=2, tp_rank=rank)
+sock = socket_from_env(rank)
+_prepare_device(sock)  # the CUDA context: the process's start-up, not the weights'
+m = build_model(model_config(spec))
+t0 = time.perf_counter()
+att = attach(m, spec, socket=sock)
+seconds = time.perf_counter() - t0
+w = m.model.layers[0].self_attn.q_proj.weight
+uuid = cuda_uuid(w.device.index) if w.is_cuda else f"cpu-{rank}"
+print(json.dumps({"seconds": seconds, "uuid": uuid, "ordinal": w.device.index}), flush=True)
+"""
+
+
+def arena_of(sock: str, model: str) -> tuple[torch.Tensor, int]:
+    conn = protocol.connect(sock)
+    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": "primary", "group": None, "pod": None,
+                                 "request": engine_request(CacheSpec(model=model))})
+    reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    assert reply["type"] == "manifest", reply
+    base = map_arena(reply, fds)
+    for fd in fds:
+        os.close(fd)
+    conn.close()
+    return base, reply["bytes"]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=64)
+    p.add_argument("--dir", default="/tmp/wc-tp-bench")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--attaches", type=int, default=3)
+    p.add_argument("--restarts", type=int, default=3)
+    p.add_argument("--failovers", type=int, default=6)
+    p.add_argument("--min-tensors", type=int, default=2000)
+    p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the script's logic")
+    args = p.parse_args()
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if args.backend == "cpu":
+        from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+
+        model = write_llama_checkpoint(os.path.join(args.dir, "tiny"), LlamaShape(hidden_size=256, num_key_value_heads=8))
+    else:
+        model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib, args.min_tensors)
+    ck = open_checkpoint(model)
+    size = ck.nbytes
+    work = tempfile.mkdtemp(prefix="wc-tp-")
+    gpu = torch.cuda.get_device_name(0) if args.backend == "cuda" else "cpu"
+    result: dict = {"bytes": size, "tensors": len(ck.tensors), "gpus": torch.cuda.device_count(), "gpu": gpu,
+                    "torch": torch.__version__}
+    rows: list[tuple[str, str, str]] = []
+
+    # -- cold: the node supervisor loads both ranks from disk ---------------------------------------
+    if args.backend == "cuda":
+        drop_cache(ck.files)
+    node = NodeSupervisor(model, os.path.join(work, "tp2"), 2, args.backend)
+    st = node.wait_ready()
+    cold = st["wall_seconds"]
+    result["cold"] = {"wall_seconds": cold, "rank_load_seconds": [r["loadSeconds"] for r in st["ranks"]]}
+    print(f"cold TP=2 load: {cold:.2f} s ({result['cold']})", file=sys.stderr)
+    env = {**os.environ, **engine_env(st)}
+
+    # -- per-rank first attach in fresh processes ---------------------------------------------------
+    attaches: dict[int, list[float]] = {0: [], 1: []}
+    for _ in range(args.attaches):
+        for rank in range(2):
+            out = subprocess.run([sys.executable, "-c", ATTACH, model, str(rank)], env=env, capture_output=True,
+                                 text=True, timeout=300)
+            if out.returncode:
+                raise SystemExit(f"attach probe failed: {out.stderr[-3000:]}")
+            got = json.loads(out.stdout.strip().splitlines()[-1])
+            assert got["uuid"] == st["gpuUUIDs"][rank], (rank, got)
+            attaches[rank].append(got["seconds"])
+    result["first_attach"] = attaches
+
+    procs = ProcessGroup(os.path.join(work, "engines"), remove_run_dir=False)
+    try:
+        # -- restart: a whole TP=2 engine, process start -> first token ---------------------------
+        restarts = []
+        for k in range(args.restarts):
+            t0 = time.perf_counter()
+            group = start_group(procs, model, st, f"restart{k}", "primary", f"restart{k}")
+            restarts.append(first_token(group[0], t0, interval=0.01))
+            for e in group:
+                e.stop()
+        result["restart_seconds"] = restarts
+        print(f"restarts: {restarts}", file=sys.stderr)
+
+        # -- failover: kill one rank of the primary group ----------------------------------------
+        primary = start_group(procs, model, st, "g0", "primary", "g")
+        standby = start_group(procs, model, st, "g1", "standby", "g")
+        for e in (primary[0], standby[0]):
+            e.wait_serving(300)
+        failovers, checks = [], []
+        for t in range(args.failovers):
+            victim = primary[t % 2]
+            time.sleep(0.2)
+            t0 = time.perf_counter()
+            result.setdefault("kill_wallclock", []).append(time.time())  # to line up with the logs' timestamps
+            victim.kill(signal.SIGKILL)
+            failovers.append(first_token(standby[0], t0))
+            survivor = primary[1 - t % 2]
+            code = survivor.proc.wait(10)
+            leases = [[(c["pid"], c["role"]) for c in agent_status(os.path.join(st["socketDir"], u + ".sock"))["clients"]
+                       if c.get("group") == "g"] for u in st["gpuUUIDs"]]
+            want = [[(standby[r].pid, "primary")] for r in range(2)]
+            checks.append({"survivor_exit": code, "retired": "retiring:" in survivor.log(),
+                           "leases_are_the_standby_group": leases == want})
+            primary = standby
+            standby = start_group(procs, model, st, f"g{t + 2}", "standby", "g")
+            standby[0].wait_serving(300)
+        result["failover_seconds"], result["failover_checks"] = failovers, checks
+        print(f"failovers: {failovers}; {checks}", file=sys.stderr)
+    finally:
+        procs.close()
+    node.stop()
+
+    # -- replicas: TP=1 on both GPUs, the second filled by peer copy -----------------------------
+    if args.backend == "cuda":
+        drop_cache(ck.files)
+    node = NodeSupervisor(model, os.path.join(work, "tp1"), 1, args.backend)
+    st1 = node.wait_ready()
+    first, second = st1["ranks"]
+    b0 = agent_status(first["socket"])["load_breakdown"]
+    b1 = agent_status(second["socket"])["load_breakdown"]
+    a, n = arena_of(first["socket"], model)
+    b, _ = arena_of(second["socket"], model)
+    t0 = time.perf_counter()
+    chunk, same = 1 << 30, True
+    for i in range(0, n, chunk):
+        same &= torch.equal(a[i:i + chunk], b[i:i + chunk].to(a.device))
+    compare = time.perf_counter() - t0
+    del a, b
+    own = b1.get("prepare", 0) + b1.get("allocate", 0) + b1.get("fill", 0)
+    result["replicas"] = {"devices": [first["device"], second["device"]], "filled_from": [first["filledFrom"],
+                          second["filledFrom"]], "disk_load_seconds": first["loadSeconds"], "breakdown0": b0,
+                          "breakdown1": b1, "peer_fill_seconds": own, "byte_identical": bool(same),
+                          "compare_seconds": compare, "wall_seconds": st1["wall_seconds"]}
+    node.stop()
+
+    # -- table -----------------------------------------------------------------------------------
+    att_all = attaches[0] + attaches[1]
+    restart = statistics.median(restarts)
+    fo = sorted(failovers)
+    fo_med, fo_max = statistics.median(fo), fo[-1]
+    disk = first["loadSeconds"]
+    rows += [
+        ("cold TP=2 load from disk: supervisor start -> both ranks Ready (page cache dropped)",
+         f"{cold:.2f} s (ranks' load {', '.join(f'{s:.2f}' for s in result['cold']['rank_load_seconds'])} s)",
+         f"{size / cold / 1e9:.2f} GB/s"),
+        ("TP=2 engine restart: 2 processes start -> first token (median of "
+         f"{len(restarts)}: {', '.join(f'{s:.2f}' for s in restarts)} s)", f"{restart:.2f} s",
+         f"cold is {cold / restart:.1f}x"),
+        (f"per-rank first attach in a fresh process (rank 0: {', '.join(f'{s * 1e3:.1f}' for s in attaches[0])}; "
+         f"rank 1: {', '.join(f'{s * 1e3:.1f}' for s in attaches[1])} ms)",
+         f"median {statistics.median(att_all) * 1e3:.1f} ms, max {max(att_all) * 1e3:.1f} ms", ""),
+        (f"group failover: kill one primary rank -> first token of the standby group ({len(fo)} trials: "
+         f"{', '.join(f'{s * 1e3:.0f}' for s in failovers)} ms)", f"median {fo_med * 1e3:.0f} ms, max {fo_max * 1e3:.0f} ms",
+         "whole groups: " + ("yes" if all(c["leases_are_the_standby_group"] for c in checks) else "NO")),
+        ("replica 0 (TP=1, GPU 0) load from disk (page cache dropped)", f"{disk:.2f} s",
+         f"{size / disk / 1e9:.2f} GB/s"),
+        ("replica 1 (GPU 1) peer copy of replica 0's arena (prepare + allocate + copy; copy "
+         f"{b1.get('peer_copy', float('nan')) * 1e3:.0f} ms)", f"{own * 1e3:.0f} ms",
+         f"{disk / own:.0f}x faster; {size / b1.get('peer_copy', float('nan')) / 1e9:.0f} GB/s; "
+         f"byte-identical: {same}"),
+    ]
+    bars = {
+        "failover <= 1 s": fo_max <= 1.0,
+        "failover goal 200 ms": fo_max <= 0.2,
+        "per-rank first attach <= 15 ms": max(att_all) <= 0.015,
+        "restart >= 20x faster than cold load": cold / restart >= 20,
+        "second replica >= 20x faster than disk": disk / own >= 20 and same and second["filledFrom"] == "peer",
+        "surviving primary rank retired (exit 0)": all(c["survivor_exit"] == 0 and c["retired"] for c in checks),
+    }
+    result["bars"] = bars
+    lines = [f"{size / 2**30:.1f} GiB in {len(ck.tensors)} tensors, {result['gpus']}x {result['gpu']}, "
+             f"torch {result['torch']}", "", "| step | time | ratio |", "| --- | ---: | ---: |"]
+    lines += [f"| {x} | {y} | {z} |" for x, y, z in rows]
+    lines += ["", "bars: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in bars.items())]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tp_bench.md"), "w") as f:
+        f.write(text + "\n")
+    with open(os.path.join(args.out, "tp_bench.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+def save_logs(out: str) -> None:
+    """Every log of this run (supervisors with their workers' lines, engine ranks) in one archive."""
+    import glob
+    import tarfile
+
+    os.makedirs(out, exist_ok=True)
+    with tarfile.open(os.path.join(out, "tp_logs.tar.gz"), "w:gz") as tar:
+        for path in glob.glob("/tmp/wc-tp-*/**/*.log", recursive=True):
+            tar.add(path, arcname=os.path.relpath(path, "/tmp"))
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    finally:
+        try:
+            save_logs(os.environ.get("OUT", "."))
+        except OSError as e:
+            print(f"logs not saved: {e}", file=sys.stderr)
+        for child in CHILDREN:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
