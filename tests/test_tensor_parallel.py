@@ -131,14 +131,26 @@ def test_tp2_groups_fail_over_whole(model, workdir):
         env = {"WEIGHTCACHE_SOCKET_DIR": node.socket_dir, "WEIGHTCACHE_DEVICES": ",".join(status["gpuUUIDs"]),
                "OMP_NUM_THREADS": "1"}
         engines = {}
-        for role in ("primary", "standby"):
+        # The standby group starts its steps one after another, the primary group overlapped: both must serve.
+        for role, start in (("primary", "overlapped"), ("standby", "sequential")):
             init = rendezvous()
-            engines[role] = [group.start_engine(model, f"{role}{r}", role=role, group="g", env=env,
+            engines[role] = [group.start_engine(model, f"{role}{r}", role=role, group="g",
+                                                env={**env, "WEIGHTCACHE_ENGINE_START": start},
                                                 extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init])
                              for r in range(2)]
         primary, standby = engines["primary"][0], engines["standby"][0]
         primary.wait_serving(120)
         standby.wait_serving(120)
+        # Where each rank 0's start-up went, in the order it happened (seconds since its process started).
+        for engine, overlapped in ((primary, True), (standby, False)):
+            health = engine.get("/healthz")[1]
+            at = health["startup"]
+            steps = ["flags checked", "imports done", "device ready", "attached", "ranks said hello",
+                     "collectives ready", "serving"]
+            assert [at[s] for s in steps] == sorted(at[s] for s in steps) and at["flags checked"] > 0, at
+            assert ("local warm-up" in at) == overlapped and "attach path prepared" in at, at
+            assert set(health["attach_phases"]) == {"request", "round trip", "map", "bind"}
+        wait_until(lambda: "rank 1 start-up (seconds since process start)" in engines["primary"][1].log(), 10)
         assert primary.get("/readyz")[0] == 200 and standby.get("/readyz")[0] == 503
         _, reference = tp1_reference(model, "none")
         code, body = primary.generate(PROMPT, 6)

@@ -80,6 +80,12 @@ def _activate(ordinal: int) -> None:
     _call(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
+def retain_context(ordinal: int) -> None:
+    """Make the device's primary context now, through the driver alone: an engine calls it on a
+    thread of its own while torch imports, and torch's runtime then finds the context made."""
+    _activate(ordinal)
+
+
 def _activate_torch(ordinal: int) -> None:
     """Engine side: make torch create and bind the device's primary context (the VMM calls use it)."""
     import torch

@@ -30,6 +30,8 @@ from ..arena.cpu import map_private, map_readonly
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
+from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
+                  pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .readonly import guard
 from ..spec import CacheSpec
@@ -39,9 +41,6 @@ log = logging.getLogger(__name__)
 MODES = ("client", "daemon", "off")
 # What a manifest reply must carry, checked before any of it is used: garbage is a ProtocolError.
 _MANIFEST_MEMBERS = (("fingerprint", str), ("fields", dict), ("bytes", int), ("layout_hash", str), ("role", str))
-ENV_SOCKET, ENV_SOCKET_DIR, ENV_DEVICES = "WEIGHTCACHE_SOCKET", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES"
-ENV_ROLE, ENV_GROUP = "WEIGHTCACHE_ROLE", "WEIGHTCACHE_GROUP"
-ENV_POD = {"namespace": "WEIGHTCACHE_POD_NAMESPACE", "name": "WEIGHTCACHE_POD_NAME", "uid": "WEIGHTCACHE_POD_UID"}
 
 
 class Attachment:
@@ -284,28 +283,6 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
         att = _attach_from_disk(module, spec, strict, copy_on_write, adjust)
         att.fallback_reason = reason
         return att
-
-
-def socket_from_env(rank: int = 0) -> str:
-    """The agent socket this engine rank should use, from the environment (see `attach`)."""
-    if os.environ.get(ENV_SOCKET):
-        return os.environ[ENV_SOCKET]
-    directory, devices = os.environ.get(ENV_SOCKET_DIR), os.environ.get(ENV_DEVICES, "")
-    if not directory:
-        raise ValueError(f"attach needs socket= (or ${ENV_SOCKET}, or ${ENV_SOCKET_DIR} with ${ENV_DEVICES}) "
-                         "in client and daemon mode")
-    uuids = [d.strip() for d in devices.split(",") if d.strip()]
-    if rank >= len(uuids):
-        raise ValueError(f"${ENV_DEVICES}={devices!r} names {len(uuids)} device(s); rank {rank} needs one of its own")
-    if "/" in uuids[rank] or uuids[rank].startswith("."):
-        raise ValueError(f"${ENV_DEVICES}: {uuids[rank]!r} is not a device UUID")
-    return os.path.join(directory, f"{uuids[rank]}.sock")
-
-
-def pod_from_env() -> dict[str, str] | None:
-    """This engine's pod (namespace, name, uid), when the operator injected it."""
-    pod = {key: os.environ.get(env, "") for key, env in ENV_POD.items()}
-    return pod if all(pod.values()) else None
 
 
 def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.socket:

@@ -82,11 +82,23 @@ def main(argv: list[str]) -> int:
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
 
+    from .startup import begin
+
+    if args.mode != "off":
+        from ..client.env import socket_from_env
+
+        try:
+            begin(args.socket or socket_from_env(args.tp_rank))  # the agent's GPU, found while torch imports
+        except ValueError:
+            begin(None)  # attach names what is missing
     import torch  # after flag checks: a typo costs no torch import
 
     from ..serve.stop import StopFlag
     from .server import Engine, EngineOptions, make_server
 
+    from .startup import PHASES
+
+    PHASES.mark("imports done")
     if args.threads:
         torch.set_num_threads(args.threads)
     options = EngineOptions(

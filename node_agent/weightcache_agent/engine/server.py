@@ -24,17 +24,22 @@ import time
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
-from ..client.session import Attachment, attach, socket_from_env
+from ..client.env import socket_from_env
+from ..client.session import Attachment, attach
 from ..protocol import parse_json
 from ..load.checkpoint import dtype_from_name, open_checkpoint
 from ..load.fingerprint import resolved_dtype
 from .hf_model import load_transformers_model, native
 from .model import CausalLM, ModelConfig, build_model
-from .tp_engine import TensorParallelLeader, check_tp_options
+from .startup import PHASES, early_device, overlapped, warm_local
+from .tp_engine import LeaderStart, TensorParallelLeader, abandon_pending, check_tp_options
 from ..spec import CacheSpec
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("weightcache.engine")
 
@@ -93,29 +98,45 @@ def load_model(spec: CacheSpec, mode: str = "off", socket: str | None = None, **
     return model, attachment
 
 
-def _prepare_device(socket: str | None) -> None:
-    """Create the CUDA context before attaching when the agent serves GPU memory.
+def _prepare_device(socket: str | None) -> "torch.device | None":
+    """Make the GPU's context and warm the attach path (`prepare()`) before attaching; returns
+    the device the agent serves (None: no agent answered).
 
-    Context creation is a per-process start-up cost (hundreds of ms), not part of getting
-    the weights; paid first, the attach time measures the weights alone. An agent that
-    does not answer is left to `attach` to report (or fall back from).
+    Both are once-per-process start-up costs (the context hundreds of ms, the attach path's
+    first use ~20 ms), not part of getting the weights; paid first, the attach is as fast as
+    a later one. The agent's answer and the context may already have been found beside
+    torch's import (`startup.begin`). An agent that does not answer is left to `attach` to
+    report (or fall back from).
     """
     from ..protocol import agent_status
     from ..errors import WeightCacheError
-
-    try:
-        status = agent_status(socket) if socket else {}
-    except WeightCacheError:
-        return
-    if status.get("backend") != "cuda" or not status.get("device"):
-        return
     import torch
 
+    from ..client.warmup import prepare
+
+    early = early_device(socket) if socket else None
+    if early is not None:
+        status = early.status or {}
+    else:
+        try:
+            status = agent_status(socket) if socket else {}
+        except WeightCacheError:
+            return None
+    if status.get("backend") != "cuda" or not status.get("device"):
+        if status.get("backend") == "cpu":
+            prepare("cpu")
+            PHASES.mark("attach path prepared")
+            return torch.device("cpu")
+        return None
     from ..arena.devices import local_ordinal
 
-    ordinal = local_ordinal(status["device"])
+    ordinal = early.ordinal if early is not None and early.ordinal is not None else local_ordinal(status["device"])
     torch.cuda.set_device(ordinal)
     torch.empty(1, device=f"cuda:{ordinal}")
+    PHASES.mark("context current")
+    prepare(ordinal)
+    PHASES.mark("attach path prepared")
+    return torch.device(f"cuda:{ordinal}")
 
 
 class Engine:
@@ -138,6 +159,7 @@ class Engine:
         self.requests = 0
         self._lock = threading.Lock()  # one forward at a time: CPU threads are shared anyway
         self.tp: TensorParallelLeader | None = None  # rank 0 of a tensor-parallel engine: its peers
+        self._start: LeaderStart | None = None  # rank 0, until its peers joined
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -146,22 +168,34 @@ class Engine:
         try:
             self.state = "attaching"
             opts = self.options
+            device = None
             if opts.mode != "off":
                 try:
-                    _prepare_device(opts.socket or socket_from_env(opts.tp_rank))
+                    device = _prepare_device(opts.socket or socket_from_env(opts.tp_rank))
                 except ValueError:
                     pass  # no socket anywhere: attach says so
+            PHASES.mark("device ready")
+            if opts.tp_size > 1 and overlapped():
+                import torch
+
+                self._start = LeaderStart(opts, device or torch.device("cpu"))
             model, self.attachment = load_model(self.spec, mode=opts.mode, socket=opts.socket, fallback=opts.fallback,
                                                 role=opts.role, group=opts.group, on_promote=self._on_promote,
                                                 on_demote=self._on_demote)
+            PHASES.mark("attached")
             self.role = self.attachment.role
-            if opts.tp_size > 1:
-                self.tp = TensorParallelLeader(model, self.attachment, opts, on_change=self._update_role)
-                self._update_role()
-            log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s)",
+            log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s); phases %s",
                      os.path.basename(os.path.abspath(opts.model)), self.attachment.source,
                      self.attachment.seconds * 1e3, len(self.attachment.tensors), self.attachment.bytes / 2**20,
-                     self.role, opts.group)
+                     self.role, opts.group, {k: round(v * 1e3, 2) for k, v in self.attachment.phases.items()})
+            if opts.tp_size > 1:
+                if self._start is not None:
+                    warm_local(model)
+                    PHASES.mark("local warm-up")
+                self.tp = TensorParallelLeader(model, self.attachment, opts, on_change=self._update_role,
+                                               start=self._start)
+                self._start = None
+                self._update_role()
             self.state = "warming"
             t0 = time.perf_counter()
             # First-call costs (allocator, kernel selection, the collectives' set-up) are paid before
@@ -171,13 +205,18 @@ class Engine:
             model.generate([0] * 8, 3)
             self.model = model
             self.state = "serving"
+            PHASES.mark("serving")
             log.info("warmed up in %.1f ms; %s", (time.perf_counter() - t0) * 1e3,
                      "ready for traffic" if self.ready else "standing by for promotion")
+            PHASES.log("rank 0" if opts.tp_size > 1 else "engine")
         except BaseException as e:
             self.state, self.error = "failed", str(e) or type(e).__name__
             raise
 
     def close(self) -> None:
+        if self._start is not None:  # failed between the start of the collectives and the rank link
+            self._start.close()
+            abandon_pending(self._start.pending, 1)
         if self.tp is not None:
             self.tp.close()  # the other ranks see the link close and retire
         if self.attachment is not None:
@@ -247,6 +286,8 @@ class Engine:
             "mode": self.options.mode,
             "source": att.source if att else None,
             "attach_seconds": att.seconds if att else None,
+            "attach_phases": att.phases if att else None,
+            "startup": PHASES.as_dict(),
             "bytes": att.bytes if att else 0,
             "fingerprint": att.fingerprint if att else None,
             "cache_miss": att.fallback_reason if att else None,

@@ -96,6 +96,45 @@ class Collectives:
             pass
 
 
+class PendingCollectives:
+    """`Collectives` being made on a thread of their own (NCCL's rendezvous and communicator take
+    a while), so that the attach and the first kernels run meanwhile; `result` waits for them."""
+
+    def __init__(self, rank: int, size: int, init: str, device: torch.device):
+        self.device = device
+        self._comm: Collectives | None = None
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        threading.Thread(target=self._run, args=(rank, size, init), name="weightcache-collectives", daemon=True).start()
+
+    def _run(self, rank: int, size: int, init: str) -> None:
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
+            self._comm = Collectives(rank, size, init, self.device)
+        except BaseException as e:  # noqa: BLE001 (re-raised by result, on the caller's thread)
+            self._error = e
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float = LINK_CONNECT_SECONDS) -> Collectives:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"the collectives' process group was not set up within {timeout:.0f}s")
+        if self._error is not None:
+            raise self._error
+        assert self._comm is not None
+        return self._comm
+
+
+def start_collectives(rank: int, size: int, init: str, device: torch.device) -> PendingCollectives:
+    """Begin joining the engine's process group on `device` (returns at once)."""
+    return PendingCollectives(rank, size, init, device)
+
+
 class RowParallel(nn.Module):
     """A row-parallel projection: each rank multiplies its slice of the inputs; the sum is the output."""
 

@@ -1,0 +1,35 @@
+"""Where an engine rank finds its agent, from the environment the operator injects: no torch.
+
+Apart from `session` so that an engine can resolve its socket (and ask the agent which GPU
+it serves) before it has imported torch: that question and the GPU's context are made
+while torch's import runs (`engine.startup`).
+"""
+from __future__ import annotations
+
+import os
+
+ENV_SOCKET, ENV_SOCKET_DIR, ENV_DEVICES = "WEIGHTCACHE_SOCKET", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES"
+ENV_ROLE, ENV_GROUP = "WEIGHTCACHE_ROLE", "WEIGHTCACHE_GROUP"
+ENV_POD = {"namespace": "WEIGHTCACHE_POD_NAMESPACE", "name": "WEIGHTCACHE_POD_NAME", "uid": "WEIGHTCACHE_POD_UID"}
+
+
+def socket_from_env(rank: int = 0) -> str:
+    """The agent socket this engine rank should use, from the environment (see `attach`)."""
+    if os.environ.get(ENV_SOCKET):
+        return os.environ[ENV_SOCKET]
+    directory, devices = os.environ.get(ENV_SOCKET_DIR), os.environ.get(ENV_DEVICES, "")
+    if not directory:
+        raise ValueError(f"attach needs socket= (or ${ENV_SOCKET}, or ${ENV_SOCKET_DIR} with ${ENV_DEVICES}) "
+                         "in client and daemon mode")
+    uuids = [d.strip() for d in devices.split(",") if d.strip()]
+    if rank >= len(uuids):
+        raise ValueError(f"${ENV_DEVICES}={devices!r} names {len(uuids)} device(s); rank {rank} needs one of its own")
+    if "/" in uuids[rank] or uuids[rank].startswith("."):
+        raise ValueError(f"${ENV_DEVICES}: {uuids[rank]!r} is not a device UUID")
+    return os.path.join(directory, f"{uuids[rank]}.sock")
+
+
+def pod_from_env() -> dict[str, str] | None:
+    """This engine's pod (namespace, name, uid), when the operator injected it."""
+    pod = {key: os.environ.get(env, "") for key, env in ENV_POD.items()}
+    return pod if all(pod.values()) else None
