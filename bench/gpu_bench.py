@@ -33,13 +33,15 @@ from weightcache_agent.errors import AgentUnavailable  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
 
-def make_checkpoint(directory: str, gib: float, min_tensors: int) -> str:
+def make_checkpoint(directory: str, gib: float, min_tensors: int, hidden: int = 2560, intermediate: int = 6912,
+                    heads: int = 20) -> str:
     if os.path.exists(os.path.join(directory, "model.safetensors.index.json")):
         return directory
-    # ~151 MiB and 9 tensors per layer at this shape; at least 2000 tensors in all
-    layers = max(-(-int(gib * 1024) // 151), -(-(min_tensors - 3) // 9))
-    shape = LlamaShape(hidden_size=2560, intermediate_size=6912, num_hidden_layers=layers, num_attention_heads=20,
-                       num_key_value_heads=20, vocab_size=32000)
+    # 9 tensors per layer (~151 MiB at the default shape); at least `min_tensors` in all
+    layer_mib = (4 * hidden * hidden + 3 * hidden * intermediate) * 2 / 2**20
+    layers = max(-(-int(gib * 1024) // int(layer_mib)), -(-(min_tensors - 3) // 9))
+    shape = LlamaShape(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=heads, vocab_size=32000)
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, i = shape.hidden_size, shape.intermediate_size
     dims = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, h), "self_attn.v_proj": (h, h),

@@ -324,7 +324,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: ModelConfig, rotary: Rotary):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.local_vocab, config.hidden_size, dtype=config.dtype)
+        # Given its weight, nn.Embedding skips its initialiser: on meta that runs through torch's
+        # reference ops, whose first use imports torch._dynamo (seconds of an engine's start-up).
+        self.embed_tokens = nn.Embedding(config.local_vocab, config.hidden_size, _freeze=True, _weight=torch.empty(
+            config.local_vocab, config.hidden_size, dtype=config.dtype))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(config, n, rotary) for n in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.dtype)
