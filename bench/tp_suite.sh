@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Tensor parallelism on one node of two GPUs, in one device call: the tests, then the benchmark.
+# Tensor parallelism on one node of two GPUs, in one device call: the GPU tests, then the benchmark.
 # Usage on the device machine: bash bench/tp_suite.sh [GIB] [tp_bench.py flags]   (tables and logs in $OUT)
+#   TP_TESTS: the tests to run first (default: every test that needs a GPU, and the cpu tensor-parallel
+#   tests); TP_TESTS=none skips them. TP_BENCH_TIMEOUT: seconds the benchmark may take (default 480).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off everywhere (NCCL, PyTorch, NVSHMEM): it can take shared GPUs out of service.
@@ -11,11 +13,21 @@ OUT="${OUT:-/tmp/wc-out}"; mkdir -p "$OUT"
   > "$OUT/machine.txt" 2>&1
 python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'gpus', torch.cuda.device_count())" \
   | tee -a "$OUT/machine.txt"
+TIMEFORMAT="python3 -c 'import torch': %R s wall"
+for i in 1 2; do  # what every engine process pays first: the interpreter and torch's import
+  { time python3 -c "import torch"; } 2>&1 | tee -a "$OUT/machine.txt"
+done
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
-timeout 400 python3 -m pytest -q -p no:cacheprovider ${TP_TESTS:-tests/test_tp_cuda.py tests/test_tensor_parallel.py} 2>&1 \
-  | tail -40 | tee "$OUT/tp_tests.log"
-tests=${PIPESTATUS[0]}
-timeout 480 python3 bench/tp_bench.py --gib "${1:-64}" --out "$OUT" "${@:2}" > "$OUT/tp_bench.log" 2>&1
+tail -3 "$OUT/build_ext.log" >> "$OUT/machine.txt"; rm -f "$OUT/build_ext.log"
+TP_TESTS="${TP_TESTS:-tests/test_cuda_backend.py tests/test_tp_cuda.py tests/test_prepare.py tests/test_transformers.py \
+tests/test_materialize.py tests/test_tensor_parallel.py tests/test_supervisor.py::test_cuda_node_sockets_named_by_gpu_uuid}"
+tests=0
+if [ "$TP_TESTS" != none ]; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE $TP_TESTS 2>&1 | tail -60 > "$OUT/gpu_tests.log"
+  tests=${PIPESTATUS[0]}
+  tail -5 "$OUT/gpu_tests.log"
+fi
+timeout "${TP_BENCH_TIMEOUT:-480}" python3 bench/tp_bench.py --gib "${1:-64}" --out "$OUT" "${@:2}" > "$OUT/tp_bench.log" 2>&1
 bench=$?
 tail -25 "$OUT/tp_bench.log"
 echo "tests exit $tests, bench exit $bench"
