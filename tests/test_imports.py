@@ -42,3 +42,29 @@ def test_operator_command_runs_without_torch():
     """)
     assert proc.returncode == 0, proc.stderr
     assert "--all-namespaces" in proc.stdout
+
+
+def test_lazy_torch_modules_import_it_where_they_use_it():
+    """Modules that import torch only inside functions (so that an agent starts without it) must do so in
+    every function that uses it: a name `torch` left to the module's globals is a NameError on a GPU only."""
+    import ast
+    import pathlib
+
+    import weightcache_agent
+
+    root = pathlib.Path(weightcache_agent.__file__).parent
+    missing = []
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        top = {a.asname or a.name for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))
+               for a in node.names}
+        if "torch" in top:
+            continue
+        for fn in (n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            uses = any(isinstance(n, ast.Name) and n.id == "torch" and isinstance(n.ctx, ast.Load)
+                       for stmt in fn.body for n in ast.walk(stmt))
+            imports = any(isinstance(n, ast.Import) and any((a.asname or a.name) == "torch" for a in n.names)
+                          for n in ast.walk(fn))
+            if uses and not imports:
+                missing.append(f"{path.relative_to(root)}:{fn.lineno} {fn.name}")
+    assert not missing, "uses torch without importing it: " + ", ".join(missing)

@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from agent_fixtures import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
@@ -43,7 +44,8 @@ def test_prepare_then_first_attach_in_a_fresh_process(model, tmp_path):
         import json
 
         result = json.loads(out.stdout.strip().splitlines()[-1])
-        assert result["took"] == ["cpu"]  # no GPU here: the cpu path only
+        # the cpu path always; the GPU's too where the engine process sees one (then the agent's arena is still cpu)
+        assert result["took"] == (["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"])
         assert result["before"] == 0, "prepare() must not talk to the agent"
         assert result["meta"] == 0 and result["count"] > 0
         phases = result["phases"]

@@ -151,6 +151,8 @@ def map_private(fd: int, size: int) -> torch.Tensor:
     pays the arena's size again in its own memory. The arena never changes: it is sealed
     against writes, which forbids shared writable mappings, not private ones.
     """
+    import torch
+
     actual = os.fstat(fd).st_size
     if actual < size:
         raise OSError(f"arena fd holds {actual} bytes but the manifest says {size}")

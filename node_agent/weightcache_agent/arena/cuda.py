@@ -308,8 +308,10 @@ class PeerView:
             self.release()
             raise
 
-    def copy_into(self, dest: torch.Tensor) -> None:
+    def copy_into(self, dest: "torch.Tensor") -> None:
         """Copy the first `dest.numel()` bytes into `dest` (a uint8 tensor on any device), then wait."""
+        import torch  # this module imports torch only where a call needs it (agents start without it)
+
         cu = _driver()
         torch.cuda.set_device(dest.device)
         stream = torch.cuda.current_stream(dest.device)
