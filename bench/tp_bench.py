@@ -284,7 +284,7 @@ def main() -> int:
                 group = start_group(procs, model, st, f"restart-{how}{k}", "primary", f"restart-{how}{k}")
             finally:
                 del os.environ["WEIGHTCACHE_ENGINE_START"]
-            took = first_token(group[0], t0, interval=0.002)
+            took = first_token(group[0], t0, interval=0.005)
             (restarts if how == "overlapped" else sequential).append(took)
             restart_phases.append({"how": how, "seconds": took, "ranks": rank_phases(group)})
             for e in group:

@@ -17,6 +17,9 @@ TIMEFORMAT="python3 -c 'import torch': %R s wall"
 for i in 1 2; do  # what every engine process pays first: the interpreter and torch's import
   { time python3 -c "import torch"; } 2>&1 | tee -a "$OUT/machine.txt"
 done
+{ echo "torch's import, slowest modules (cumulative us):"; python3 -X importtime -c "import torch" 2>&1 | sort -t'|' -k2 -n | tail -8
+  python3 -c "import os, torch; d = os.path.dirname(torch.__file__); print('torch package writable:', os.access(d, os.W_OK), '__pycache__:', os.path.isdir(os.path.join(d, '__pycache__')))"
+} >> "$OUT/machine.txt" 2>&1
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
 tail -3 "$OUT/build_ext.log" >> "$OUT/machine.txt"; rm -f "$OUT/build_ext.log"
 TP_TESTS="${TP_TESTS:-tests/test_cuda_backend.py tests/test_tp_cuda.py tests/test_prepare.py tests/test_transformers.py \

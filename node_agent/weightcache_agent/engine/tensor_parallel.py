@@ -98,7 +98,12 @@ class Collectives:
 
 class PendingCollectives:
     """`Collectives` being made on a thread of their own (NCCL's rendezvous and communicator take
-    a while), so that the attach and the first kernels run meanwhile; `result` waits for them."""
+    a while), so that the attach and the first kernels run meanwhile; `result` waits for them.
+
+    The thread also runs one tiny sum and one gather: NCCL connects the ranks at a collective's
+    first use, and this way that happens here too. Every rank runs the same two, in the same
+    order, and nothing else uses the group before `result` returns.
+    """
 
     def __init__(self, rank: int, size: int, init: str, device: torch.device):
         self.device = device
@@ -111,7 +116,12 @@ class PendingCollectives:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)  # the current device is per thread
-            self._comm = Collectives(rank, size, init, self.device)
+            comm = Collectives(rank, size, init, self.device)
+            comm.all_reduce(torch.zeros(1, device=self.device))
+            comm.all_gather_last(torch.zeros(1, 1, device=self.device))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._comm = comm
         except BaseException as e:  # noqa: BLE001 (re-raised by result, on the caller's thread)
             self._error = e
         finally:
