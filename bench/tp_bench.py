@@ -393,9 +393,16 @@ def main() -> int:
          f"{size / disk / 1e9:.2f} GB/s"),
         ("replica 1 (GPU 1) peer copy of replica 0's arena (prepare + allocate + copy; copy "
          f"{b1.get('peer_copy', float('nan')) * 1e3:.0f} ms)", f"{own * 1e3:.0f} ms",
-         f"**{disk / own:.0f}x** faster; {size / b1.get('peer_copy', float('nan')) / 1e9:.0f} GB/s; "
+         f"**{disk / own:.1f}x** faster; {size / b1.get('peer_copy', float('nan')) / 1e9:.0f} GB/s; "
          f"byte-identical: {same}"),
+        (f"the fills alone: replica 1's copy vs replica 0's disk fill ({b0.get('fill', float('nan')):.2f} s); "
+         f"each replica's own prepare (the plan: {b0.get('prepare', 0):.2f} / {b1.get('prepare', 0):.2f} s) "
+         "ran side by side", f"{b1.get('fill', float('nan')) * 1e3:.0f} ms",
+         f"{b0.get('fill', float('nan')) / b1.get('fill', float('nan')):.0f}x"),
     ]
+    engine_attach = [e["ranks"][0].get("attach_seconds") or float("nan") for e in restart_phases]
+    rows.insert(5, ("first attach inside the restarted engines (rank 0, while /generate is polled: "
+                    f"{ms(engine_attach)} ms)", f"max {max(engine_attach) * 1e3:.1f} ms", ""))
     bars = {
         "per-rank first attach <= 15 ms": max(att_all) <= 0.015,
         "restart >= 20x faster than cold load": cold / restart >= 20,
