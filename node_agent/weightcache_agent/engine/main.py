@@ -34,7 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
-             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)"},
+             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)",
+             "WEIGHTCACHE_ENGINE_START": "overlapped (default) | sequential: start-up steps side by side, or one "
+                                         "after another (to measure what overlapping saves)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json); a model_type "
                    "other than llama/qwen2/mistral is served with transformers (the transformers extra)")
