@@ -143,7 +143,7 @@ def map_readonly(fd: int, size: int) -> "torch.Tensor":
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def map_private(fd: int, size: int) -> torch.Tensor:
+def map_private(fd: int, size: int) -> "torch.Tensor":
     """Map an arena fd copy-on-write (MAP_PRIVATE, writable) as one uint8 tensor.
 
     Reads share the arena's pages with every other engine; the first write to a page gives
