@@ -47,6 +47,7 @@ from weightcache_agent.serve.process_group import ProcessGroup, http_json  # noq
 
 PROMPT = [1, 17, 42, 255, 3, 99, 7, 300]
 CHILDREN: list[subprocess.Popen] = []
+LOGS_TO = [os.environ.get("OUT", ".")]  # where the logs' archive goes: --out, once parsed
 
 
 class NodeSupervisor:
@@ -223,6 +224,7 @@ def main() -> int:
                    help="restarts with WEIGHTCACHE_ENGINE_START=sequential (the steps one after another)")
     p.add_argument("--backend", choices=("cuda", "cpu"), default="cuda", help="cpu: a dry run of the script's logic")
     args = p.parse_args()
+    LOGS_TO[0] = args.out
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     if args.backend == "cpu":
         from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
@@ -452,7 +454,7 @@ if __name__ == "__main__":
         sys.exit(main())
     finally:
         try:
-            save_logs(os.environ.get("OUT", "."))
+            save_logs(LOGS_TO[0])
         except OSError as e:
             print(f"logs not saved: {e}", file=sys.stderr)
         for child in CHILDREN:
