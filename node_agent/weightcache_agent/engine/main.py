@@ -24,7 +24,9 @@ log = logging.getLogger("weightcache.engine")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="weightcache engine",
                                 description="Reference Llama/Qwen2 engine that attaches its weights from a weightcache agent.")
-    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
+    p.add_argument("--model", default=os.environ.get("WEIGHTCACHE_MODEL") or None,
+                   help="checkpoint directory (*.safetensors + config.json); default: $WEIGHTCACHE_MODEL, which an "
+                        "EngineSet sets to its cache's model, so that a new model revision reaches the engines")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
                                     "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
     p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",
@@ -55,6 +57,8 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_format, getattr(logging, args.log_level.upper()))
+    if not args.model:
+        parser.error("--model (or $WEIGHTCACHE_MODEL) is required")
     if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
                                    or os.environ.get("WEIGHTCACHE_SOCKET_DIR")):
         parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")
