@@ -75,6 +75,7 @@ from .engineset_manifests import (
 from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
 from .kube import KubeApi, merge_patch_for
 from .manifests import model_dir
+from .transition import holds_for_memory, model_of
 from .manifests import selector_labels as agent_selector_labels
 from .control import SwitchoverError, control_token, post_switchover
 from .placement import Placement, Replica, orphaned, place
@@ -258,17 +259,8 @@ class CacheView:
     # Nodes whose agent runs the cache's current model and revision and has it loaded: a group
     # is rolled onto a new model only there (its new pods could not attach anywhere else).
     current: set[str] = dataclasses.field(default_factory=set)
-
-
-def _flag(argv: list[str], flag: str) -> str | None:
-    return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
-
-
-def runs_model(agent_pod: Mapping[str, Any], cs: CacheSpec) -> bool:
-    """Whether an agent pod was started for the cache spec's model directory and revision."""
-    containers = (agent_pod.get("spec") or {}).get("containers") or [{}]
-    argv = [str(a) for a in (containers[0].get("command") or []) + (containers[0].get("args") or [])]
-    return _flag(argv, "--model") == model_dir(cs) and _flag(argv, "--revision") == cs.revision
+    # The cache holds a model change until its nodes have room for a second copy: standbys stop meanwhile.
+    memory_hold: bool = False
 
 
 class EngineSetReconciler:
@@ -285,7 +277,7 @@ class EngineSetReconciler:
 
     # --- reading ------------------------------------------------------------------------
 
-    def _read_cache(self, namespace: str, es: EngineSetSpec) -> tuple[CacheSpec, bool, str]:
+    def _read_cache(self, namespace: str, es: EngineSetSpec) -> tuple[CacheSpec, bool, str, bool]:
         assert self.api is not None
         cache = self.api.get_cache(namespace, es.cache_name)
         if cache is None:
@@ -300,11 +292,12 @@ class EngineSetReconciler:
                             f"spec.gpuBinding.deviceClassName: DeviceClass {es.device_class} does not exist "
                             "(install the GPU's DRA driver, or use gpuBinding.mode visibleDevices)")
         ready = {c.get("type"): c for c in (cache.get("status") or {}).get("conditions") or []}.get("Ready") or {}
-        return cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet")
+        return (cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet"),
+                holds_for_memory(cache))
 
     async def _cache_view(self, namespace: str, es: EngineSetSpec) -> CacheView:
         assert self.api is not None
-        cs, ready, message = await asyncio.to_thread(self._read_cache, namespace, es)
+        cs, ready, message, memory_hold = await asyncio.to_thread(self._read_cache, namespace, es)
         labels = agent_selector_labels(es.cache_name)
         raw = await asyncio.to_thread(self.api.list_pods, namespace, labels)
         agents = select_agent_pods(raw, labels, AGENT_HTTP_PORT)
@@ -327,7 +320,8 @@ class EngineSetReconciler:
             roles[agent.node] = pod_roles(doc)
             if agent.url:
                 urls[agent.node] = agent.url.rsplit("/status", 1)[0]
-            if doc.get("phase") == "Ready" and runs_model(raw_by_name.get(agent.name) or {}, cs):
+            if doc.get("phase") == "Ready" and \
+                    model_of((raw_by_name.get(agent.name) or {}).get("spec") or {}) == (model_dir(cs), cs.revision):
                 current.add(agent.node)
             if doc.get("phase") != "Ready" and not isinstance(doc.get("replicas"), list):
                 continue
@@ -335,7 +329,7 @@ class EngineSetReconciler:
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
-                         {a.node for a in agents if a.node is not None}, roles, urls, current)
+                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold)
 
     async def _still_not_primary(self, namespace: str, es: EngineSetSpec,
                                  pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -579,14 +573,21 @@ class EngineSetReconciler:
                         note("deleted", "Pod", _meta(pod)["name"], f"pod {phase}" if not wrong_place else "placement changed")
                     del gp.live[slot]
                     gp.terminating.add(slot)
-            if group == rolling and p.node not in view.current:
+            if group == rolling and view.memory_hold:
+                step = Step("wait", group, reason=f"the WeightCache holds {model_label(view.spec)} until every node has "
+                            "room for a second copy (its Degraded condition says which); standbys are stopped meanwhile")
+            elif group == rolling and p.node not in view.current:
                 step = Step("wait", group, reason=f"waiting for the agent on {p.node} to load {model_label(view.spec)}")
             elif group == rolling:
                 step = await self._roll(body, es, view, namespace, name, p, gp, thash, note, rejected)
             # Missing pods, in the lowest free slots (a rolling group's pods are the planner's).
             # Counted, not slot by slot: after a rollout the pods may sit in any slots.
-            missing = 0 if group == rolling else es.slots - len(gp.live) - len(gp.terminating)
-            free = [s for s in range(es.slots + len(gp.live) + len(gp.terminating))
+            # While the cache waits for memory for a new model, no standbys (their memory is what it waits
+            # for); and a standby is only started where the agent already serves the cache's model.
+            slots = 1 if view.memory_hold else es.slots
+            missing = 0 if group == rolling or (gp.live and p.node not in view.current) else \
+                slots - len(gp.live) - len(gp.terminating)
+            free = [s for s in range(slots + len(gp.live) + len(gp.terminating))
                     if s not in gp.live and s not in gp.terminating][:max(missing, 0)]
             for slot in free:
                 pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
@@ -615,13 +616,14 @@ class EngineSetReconciler:
                     serving_true.append(primary)
                 serving_false += [pod for pod in labelled if pod is not primary]
             # Excess standbys go, highest slot first; never the primary or a pod still routed to.
-            excess = 0 if group == rolling else len(gp.live) - es.slots
+            excess = 0 if group == rolling and not view.memory_hold else len(gp.live) - slots
             for slot, pod in sorted(gp.live.items(), reverse=True):
                 if excess <= 0:
                     break
                 if pod is not primary and pod not in labelled:
                     if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
-                        note("deleted", "Pod", _meta(pod)["name"], f"standbys is {es.standbys}")
+                        note("deleted", "Pod", _meta(pod)["name"], "the cache needs the memory for a new model" if view.memory_hold
+                             else f"standbys is {es.standbys}")
                     del gp.live[slot]
                     excess -= 1
 
