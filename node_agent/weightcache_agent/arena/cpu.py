@@ -143,7 +143,7 @@ def map_readonly(fd: int, size: int) -> "torch.Tensor":
         return torch.frombuffer(mapping, dtype=torch.uint8)
 
 
-def map_private(fd: int, size: int) -> torch.Tensor:
+def map_private(fd: int, size: int) -> "torch.Tensor":
     """Map an arena fd copy-on-write (MAP_PRIVATE, writable) as one uint8 tensor.
 
     Reads share the arena's pages with every other engine; the first write to a page gives
@@ -151,6 +151,8 @@ def map_private(fd: int, size: int) -> torch.Tensor:
     pays the arena's size again in its own memory. The arena never changes: it is sealed
     against writes, which forbids shared writable mappings, not private ones.
     """
+    import torch
+
     actual = os.fstat(fd).st_size
     if actual < size:
         raise OSError(f"arena fd holds {actual} bytes but the manifest says {size}")
