@@ -182,7 +182,7 @@ class EndToEnd:
         self.ns = ns = lab.namespace("e2e")
         self.stack.callback(lab.delete_namespace, ns)
         self.root = Path(tempfile.mkdtemp(prefix="wc-e2e-"))  # short: socket paths stay < 108 bytes
-        self.stack.callback(print, "KEEP", self.root)  # TEMP
+        self.stack.callback(shutil.rmtree, self.root, True)
         write_llama_checkpoint(str(self.root / NODE / MODEL_ROOT.lstrip("/") / MODEL), LlamaShape(**SMALL_LLAMA),
                                seed=3)
         write_llama_checkpoint(str(self.root / NODE / MODEL_ROOT.lstrip("/") / MODEL_V2), LlamaShape(**SMALL_LLAMA),

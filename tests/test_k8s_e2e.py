@@ -179,6 +179,43 @@ def engineset(e2e: e2e_bench.EndToEnd) -> dict:
     return e2e.api.get(f"{e2e_bench.WC}/namespaces/{e2e.ns}/enginesets/{e2e_bench.ENGINESET}")
 
 
+def progressing(e2e: e2e_bench.EndToEnd) -> dict:
+    return next((c for c in (engineset(e2e).get("status") or {}).get("conditions") or []
+                 if c["type"] == "Progressing"), {})
+
+
+def test_a_bad_template_stalls_after_the_first_group_and_the_old_primaries_keep_serving(
+        e2e: e2e_bench.EndToEnd) -> None:
+    """A template whose engines exit at start (a bad flag): the rollout stops at group 0 with a
+    condition and a Warning Event, no group loses its primary or its endpoint, group 1 is not
+    touched; putting the template back rolls the failed pod away."""
+    settled = e2e.wait_settled((0, 1))
+    before = {p["metadata"]["name"] for p in e2e.pods()}
+    path = f"{e2e_bench.WC}/namespaces/{e2e.ns}/enginesets/{e2e_bench.ENGINESET}"
+    good = engineset(e2e)["spec"]["template"]
+    e2e.api.patch(path, {"spec": {"template": e2e_bench.engine_template(("--max-new-tokens", "0"))}})
+    try:
+        stalled = wait_for(lambda: (c := progressing(e2e)).get("reason") == "RolloutStalled" and c, timeout=90,
+                           interval=0.5, what="the rollout stalled")
+        assert stalled["status"] == "False" and stalled["message"].startswith("group 0: new pod"), stalled
+        assert "CrashLoopBackOff" in stalled["message"] or "failed" in stalled["message"], stalled
+        wait_for(lambda: [m for m in events(e2e, "RolloutStalled")], timeout=10, what="a RolloutStalled Event")
+        warnings = [ev for ev in e2e.api.get(f"/api/v1/namespaces/{e2e.ns}/events")["items"]
+                    if ev.get("reason") == "RolloutStalled"]
+        assert all(ev["type"] == "Warning" for ev in warnings), warnings
+        # The old primaries serve on: the EndpointSlice lists them, group 1 has its old pods only.
+        assert e2e.wait_settled((0, 1)) == settled
+        group1 = {p["metadata"]["name"] for p in e2e.pods() if e2e_bench.group_of(p["metadata"]["name"]) == 1}
+        assert group1 <= before, f"group 1 was touched by a stalled rollout: {group1 - before}"
+        assert (engineset(e2e)["status"]["rollout"]["phase"], engineset(e2e)["status"]["rollout"]["group"]) \
+            == ("Stalled", 0)
+    finally:
+        e2e.api.patch(path, {"spec": {"template": good}})
+    wait_for(lambda: progressing(e2e).get("reason") == "RolloutComplete", timeout=90, interval=0.5,
+             what="the rollout complete again")
+    assert e2e.wait_settled((0, 1)) == settled
+
+
 def test_each_group_reports_what_it_serves_against_the_rollouts_target(e2e: e2e_bench.EndToEnd) -> None:
     e2e.wait_settled((0, 1))
     status = wait_for(lambda: (s := engineset(e2e).get("status") or {}) and all(

@@ -17,6 +17,7 @@ from typing import Any
 READY = "Ready"
 LOADING = "Loading"
 DEGRADED = "Degraded"
+PROGRESSING = "Progressing"  # an EngineSet's rollout
 OURS = (READY, LOADING, DEGRADED)
 
 
@@ -43,6 +44,8 @@ class Transition:
             return self.status == "True"
         if self.type == READY:
             return self.old_status == "True" and self.status != "True"
+        if self.type == PROGRESSING:
+            return self.status == "False"  # a rollout stalled
         return False
 
 

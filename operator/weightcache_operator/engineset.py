@@ -52,7 +52,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from .agents import AgentStatusError, fetch_all, select_agent_pods
-from .conditions import DEGRADED, READY, Desired, merge, now_rfc3339, transitions
+from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339, transitions
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset_manifests import (
     ANNOTATION_MODEL,
@@ -88,7 +88,6 @@ STATUS_KEYS = (
     "rollout", "groups", "conditions",
 )
 MAX_GROUP_ENTRIES = 64
-PROGRESSING = "Progressing"
 # `kubectl annotate engineset NAME weightcache.io/switchover-to=POD`: a planned switchover on request.
 ANNOTATION_SWITCHOVER = "weightcache.io/switchover-to"
 

@@ -13,7 +13,10 @@ run the same ``Reconciler.reconcile``, which does not care why it runs:
    removes them with the last cache); then render the DaemonSet (and ConfigMap for
    sharding rules) and create-or-patch them, owned by the WeightCache (controller
    reference; owner-reference garbage collection deletes them with it, so no
-   finalizer is needed for cleanup); an unchanged spec hash means no write at all;
+   finalizer is needed for cleanup); an unchanged spec hash means no write at all. A
+   new model path or revision leaves the DaemonSet as it is while a node lacks the
+   memory for a second copy of a rank (``transition``): Degraded, reason
+   ``InsufficientMemory``, until every node has room;
 3. list the agent pods, ask each for ``/status``, roll the answers up;
 4. compute the conditions, patch the status subresource only if something changed,
    and post an Event for each condition that changed status or reason.
