@@ -18,7 +18,7 @@ READY = "Ready"
 LOADING = "Loading"
 DEGRADED = "Degraded"
 PROGRESSING = "Progressing"  # an EngineSet's rollout
-OURS = (READY, LOADING, DEGRADED)
+OURS = (READY, LOADING, DEGRADED, PROGRESSING)
 
 
 @dataclasses.dataclass(frozen=True)
