@@ -73,6 +73,7 @@ CACHE = "wc"
 ENGINESET = "chat"
 MODEL_ROOT = "/srv/models"  # the operator's model root: node-1's host path, under the kubelet's root
 MODEL = "small"
+MODEL_V2 = "small-v2"  # other weights: what a revision rollout moves the cache to
 # How often the fake kubelet looks at its pods (process exits, readiness probes). A kubelet
 # notices a dead container at its PLEG relist, every second by default, and probes readiness
 # every periodSeconds (1 in the template): 1 s models it. A much faster kubelet marks the
@@ -89,7 +90,8 @@ SMALL_LLAMA = dict(hidden_size=128, intermediate_size=344, num_hidden_layers=2, 
 def engine_template(extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """The EngineSet's pod template: the reference engine, attaching from the injected environment.
 
-    The engine listens on the loopback port the kubelet gives the pod (`$(HOST_PORT_HTTP)`):
+    The model is the cache's ($WEIGHTCACHE_MODEL, set by the operator): a new revision reaches the
+    engines without a template change. The engine listens on the loopback port the kubelet gives the pod (`$(HOST_PORT_HTTP)`):
     every pod of the node shares one loopback here. Readiness is `/readyz?role=any`: a warm
     standby is Ready, so the serving label alone decides what the Service routes to.
     """
@@ -98,7 +100,7 @@ def engine_template(extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
         "containers": [{
             "name": "engine", "image": "ghcr.io/weightcache/agent:0.1.0",
             "command": [sys.executable, "-m", "weightcache_agent", "engine"],
-            "args": ["--mode", "client", "--role", "auto", "--model", f"/models/{MODEL}", "--host", "127.0.0.1",
+            "args": ["--mode", "client", "--role", "auto", "--host", "127.0.0.1",
                      "--port", "$(HOST_PORT_HTTP)", "--threads", "1", "--drain-seconds", "1", *extra_args],
             "ports": [{"name": "http", "containerPort": 8000}],
             "readinessProbe": {"httpGet": {"path": "/readyz?role=any", "port": "http"}, "periodSeconds": 1},
@@ -183,6 +185,8 @@ class EndToEnd:
         self.stack.callback(shutil.rmtree, self.root, True)
         write_llama_checkpoint(str(self.root / NODE / MODEL_ROOT.lstrip("/") / MODEL), LlamaShape(**SMALL_LLAMA),
                                seed=3)
+        write_llama_checkpoint(str(self.root / NODE / MODEL_ROOT.lstrip("/") / MODEL_V2), LlamaShape(**SMALL_LLAMA),
+                               seed=4)
 
         # node-1 alone runs this cache's agent; the engines' runtime class exists.
         lab.kubectl("label", "node", NODE, f"weightcache.io/e2e={ns}", "--overwrite")
@@ -413,6 +417,15 @@ class Rollout:
     empty_windows: list[tuple[float, int, float]]
 
 
+def _wait_rollout(e2e: EndToEnd, complete: Any, timeout: float) -> dict[str, Any]:
+    try:
+        return wait_for(complete, timeout=timeout, interval=0.2, what="the rollout complete")
+    except TimeoutError as e:
+        status = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}").get("status") or {}
+        pods = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in e2e.pods()}
+        raise TimeoutError(f"{e}; rollout status {status.get('rollout')}; pods {pods}") from None
+
+
 def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 240) -> Rollout:
     """Change the EngineSet's template and wait for the rollout to complete with every group settled."""
     settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
@@ -433,12 +446,53 @@ def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 2
             return None
         return {"hashes": hashes, "hash": rollout["templateHash"]}
 
-    done = wait_for(complete, timeout=timeout, interval=0.2, what="the rollout complete")
+    done = _wait_rollout(e2e, complete, timeout)
     after = e2e.wait_settled(range(e2e.replicas), timeout=60)
     seconds = time.perf_counter() - start
     changes, windows = e2e.empty_windows(start)
     return Rollout(seconds, old_serving, {g: v[0] for g, v in after.items()}, done["hashes"], done["hash"],
                    changes, windows)
+
+
+def roll_model(e2e: EndToEnd, path: str, revision: str, timeout: float = 240) -> Rollout:
+    """Move the WeightCache to another model directory and revision, and wait for the EngineSet's
+    rollout to complete: the agent DaemonSet rolls (its new pod loads the new weights while the old
+    engines keep serving the old ones they map), then every group switches to pods attached to it."""
+    settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
+    old_serving = {g: v[0] for g, v in settled.items()}
+    es_path = f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}"
+    old_hash = (e2e.api.get(es_path).get("status") or {}).get("rollout", {}).get("templateHash")
+    start = time.perf_counter()
+    e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/weightcaches/{CACHE}",
+                  {"spec": {"model": {"path": path, "revision": revision}}})
+
+    def complete() -> dict[str, Any] | None:
+        rollout = (e2e.api.get(es_path).get("status") or {}).get("rollout") or {}
+        if rollout.get("phase") != "Complete" or rollout.get("templateHash") in (None, old_hash):
+            return None
+        pods = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
+        hashes = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in pods}
+        if set(hashes.values()) != {rollout["templateHash"]}:
+            return None
+        return {"hashes": hashes, "hash": rollout["templateHash"]}
+
+    done = _wait_rollout(e2e, complete, timeout)
+    after = e2e.wait_settled(range(e2e.replicas), timeout=60)
+    seconds = time.perf_counter() - start
+    changes, windows = e2e.empty_windows(start)
+    return Rollout(seconds, old_serving, {g: v[0] for g, v in after.items()}, done["hashes"], done["hash"],
+                   changes, windows)
+
+
+def switchover_by_annotation(e2e: EndToEnd, group: int, timeout: float = 30) -> tuple[str, str, float]:
+    """`kubectl annotate engineset ... weightcache.io/switchover-to=<standby>`: (old, new, seconds
+    from the annotation to the EndpointSlice listing the standby alone)."""
+    primary, standby, _ = e2e.wait_settled([group], timeout=60)[group]
+    start = time.perf_counter()
+    e2e.lab.kubectl("annotate", "-n", e2e.ns, f"engineset/{ENGINESET}", f"weightcache.io/switchover-to={standby}")
+    wait_for(lambda: {n for n in e2e.watch.current() if group_of(n) == group} == {standby},
+             timeout=timeout, interval=0.01, what=f"the EndpointSlice listing {standby} alone")
+    return primary, standby, time.perf_counter() - start
 
 
 def _free_port() -> int:

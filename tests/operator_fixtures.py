@@ -170,8 +170,11 @@ def agent_servers(n: int) -> Iterator[list[AgentServer]]:
 
 
 def agent_pod(cache: str, node: str, port: int, *, namespace: str = "default",
-              phase: str = "Running", ip: str = "127.0.0.1") -> dict[str, Any]:
-    """An agent pod as the DaemonSet controller and kubelet would leave it."""
+              phase: str = "Running", ip: str = "127.0.0.1", model: str | None = None,
+              revision: str | None = None) -> dict[str, Any]:
+    """An agent pod as the DaemonSet controller and kubelet would leave it (`model`, `revision`: its
+    agent's flags, which say whether it runs the cache's current model)."""
+    args = ["agent", "--model", model] + (["--revision", revision] if revision else []) if model else []
     return {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -184,7 +187,7 @@ def agent_pod(cache: str, node: str, port: int, *, namespace: str = "default",
         },
         "spec": {
             "nodeName": node,
-            "containers": [{"name": "agent", "image": "x",
+            "containers": [{"name": "agent", "image": "x", "command": ["weightcache"], "args": args,
                             "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]}],
         },
         "status": {

@@ -150,8 +150,8 @@ async def test_engineset_places_groups_follows_the_agent_and_replaces_pods(clust
     with AgentServer(node_status("node-a")) as a, AgentServer(node_status("node-b")) as b:
         await create_device_class(cluster)
         await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
-        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port))
-        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-b", b.port))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port, model="/models/qwen"))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-b", b.port, model="/models/qwen"))
         async with operator(kmock):
             await cluster.create(ES_RESOURCE, engineset("chat", {
                 "cacheRef": {"name": "qwen"}, "replicas": 2, "standbys": 1, "template": TEMPLATE}))
@@ -238,7 +238,7 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
     with AgentServer(node_status("node-a")) as a:
         await create_device_class(cluster)
         await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
-        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port, model="/models/qwen"))
         await cluster.create(WC_RESOURCE, weightcache("cold", CACHE_SPEC))  # no agent answers for it yet
         async with operator(kmock):
             tp4 = copy.deepcopy(TEMPLATE)
@@ -280,7 +280,7 @@ async def test_a_pod_the_api_server_refuses_is_a_condition_not_a_retry_storm(clu
     with AgentServer(node_status("node-a")) as a:
         await create_device_class(cluster)
         await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
-        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port, model="/models/qwen"))
         # What a Pod Security admission or a quota says about a pod it will not admit. (The
         # emulator stores the pod anyway, so only the first pass sees the refusal.)
         kmock["post /api/v1/namespaces/default/pods"] << 403 << {
@@ -297,3 +297,50 @@ async def test_a_pod_the_api_server_refuses_is_a_condition_not_a_retry_storm(clu
             # The claim and Service were still made: only the pod is refused.
             assert get_object(kmock, CLAIM_RESOURCE, "default", "chat-0")
             assert get_object(kmock, SVC_RESOURCE, "default", "chat")
+
+
+async def test_standbys_make_room_while_the_cache_waits_for_memory_for_a_new_model(
+        cluster: KubeClient, kmock: Any) -> None:
+    """A new revision needs a second copy of each rank beside the first; node-a's GPUs lack the room.
+    The cache holds the change, the EngineSet stops its standby (its memory is what is missing) and
+    its primary keeps serving; once the room is there the DaemonSet moves to the new revision, and no
+    standby starts before the agent runs it."""
+    gib = 2**30
+    short = {**node_status("node-a"), "rankBytes": 30 * gib, "freeBytes": 20 * gib}
+    with AgentServer(short) as a:
+        await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port, model="/models/qwen"))
+        async with operator(kmock):
+            await cluster.create(ES_RESOURCE, engineset("chat", {
+                "cacheRef": {"name": "qwen"}, "replicas": 1, "standbys": 1, "gpuBinding": {"mode": "visibleDevices"},
+                "template": TEMPLATE}))
+            await wait_for(lambda: pod(kmock, "chat-0-0") and pod(kmock, "chat-0-1"), what="two engine pods")
+            pods = {n: await kubelet(cluster, kmock, n) for n in ("chat-0-0", "chat-0-1")}
+            a.doc = {**short, **node_status("node-a", [lease(pods["chat-0-0"], "primary", "default/chat-0"),
+                                                       lease(pods["chat-0-1"], "standby", "default/chat-0")])}
+            await wait_for(lambda: serving(kmock, "chat-0-0") == "true", what="chat-0-0 serving")
+
+            cache = get_object(kmock, WC_RESOURCE, "default", "qwen")
+            await cluster.patch(WC_RESOURCE, "default", "qwen", {
+                "metadata": {"generation": cache["metadata"].get("generation", 1) + 1},
+                "spec": {"model": {"path": "qwen", "revision": "v2"}}})
+            held = await wait_for(lambda: next((c for c in get_object(kmock, WC_RESOURCE, "default", "qwen")
+                                                .get("status", {}).get("conditions", [])
+                                                if c["reason"] == "InsufficientMemory"), None), what="the hold")
+            assert "node-a has 20.0 GiB free on its tightest device, a second copy of a rank needs 30.0 GiB" \
+                in held["message"]
+            await wait_for(lambda: pod(kmock, "chat-0-1") is None, what="the standby stopped")
+            assert serving(kmock, "chat-0-0") == "true"
+            await wait_for(lambda: any(e["reason"] == "PodDeleted" and "memory for a new model" in e["message"]
+                                       for e in events_for(kmock, "chat")), what="the Event saying why")
+            await wait_for(lambda: "room for a second copy" in es_of(kmock, "chat")["status"]["rollout"].get("message", ""),
+                           what="the rollout saying why it waits")
+
+            # The standby's memory came back: the change goes ahead, the DaemonSet runs v2.
+            a.doc = {**a.doc, "freeBytes": 40 * gib}
+            await wait_for(lambda: "v2" in get_object(kmock, "apps/v1/daemonsets", "default", "qwen-agent")
+                           ["spec"]["template"]["spec"]["containers"][0]["args"], what="the DaemonSet on v2")
+            await wait_for(lambda: "waiting for the agent on node-a to load /models/qwen@v2"
+                           in es_of(kmock, "chat")["status"]["rollout"].get("message", ""), what="the rollout waiting")
+            await asyncio.sleep(3 * POLL)  # no standby on a node whose agent still runs the old model
+            assert pod(kmock, "chat-0-1") is None and serving(kmock, "chat-0-0") == "true"

@@ -101,7 +101,7 @@ def test_dra_pod_carries_the_contract() -> None:
         "weightcache.io/group": "1", "weightcache.io/serving": "false",  # the template cannot make a pod serve
         "weightcache.io/template-hash": template_hash(engineset(), CACHE, CONFIG)}
     assert meta["annotations"] == {"team": "llm", "weightcache.io/node": "node-a",
-                                   "weightcache.io/gpus": "GPU-a2,GPU-a3"}
+                                   "weightcache.io/gpus": "GPU-a2,GPU-a3", "weightcache.io/model": "/models/qwen"}
     assert spec["nodeSelector"] == {"pool": "h200", "kubernetes.io/hostname": "node-a"}
     assert spec["resourceClaims"] == [{"name": "weightcache-gpus", "resourceClaimName": "chat-1"}]
     assert "runtimeClassName" not in spec

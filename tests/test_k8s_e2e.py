@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import pytest
 
 from k8s_lab import REPO, Lab, wait_for
+from weightcache_agent.protocol import agent_status
 
 pytestmark = [pytest.mark.timeout(420)]
 
@@ -167,3 +168,104 @@ def test_after_the_rollout_each_group_has_one_primary_and_its_standbys(e2e: e2e_
     assert len(live()) == e2e.replicas * (1 + e2e.standbys), live()
     settled = e2e.wait_settled((0, 1))
     assert {e2e_bench.group_of(n) for n in live()} == set(settled)
+
+
+def events(e2e: e2e_bench.EndToEnd, reason: str) -> list[str]:
+    items = e2e.api.get(f"/api/v1/namespaces/{e2e.ns}/events")["items"]
+    return [ev.get("message", "") for ev in items
+            if ev.get("reason") == reason and ev.get("involvedObject", {}).get("name") == e2e_bench.ENGINESET]
+
+
+def engineset(e2e: e2e_bench.EndToEnd) -> dict:
+    return e2e.api.get(f"{e2e_bench.WC}/namespaces/{e2e.ns}/enginesets/{e2e_bench.ENGINESET}")
+
+
+def progressing(e2e: e2e_bench.EndToEnd) -> dict:
+    return next((c for c in (engineset(e2e).get("status") or {}).get("conditions") or []
+                 if c["type"] == "Progressing"), {})
+
+
+def test_a_bad_template_stalls_after_the_first_group_and_the_old_primaries_keep_serving(
+        e2e: e2e_bench.EndToEnd) -> None:
+    """A template whose engines exit at start (a bad flag): the rollout stops at group 0 with a
+    condition and a Warning Event, no group loses its primary or its endpoint, group 1 is not
+    touched; putting the template back rolls the failed pod away."""
+    settled = e2e.wait_settled((0, 1))
+    before = {p["metadata"]["name"] for p in e2e.pods()}
+    path = f"{e2e_bench.WC}/namespaces/{e2e.ns}/enginesets/{e2e_bench.ENGINESET}"
+    good = engineset(e2e)["spec"]["template"]
+    e2e.api.patch(path, {"spec": {"template": e2e_bench.engine_template(("--max-new-tokens", "0"))}})
+    try:
+        stalled = wait_for(lambda: (c := progressing(e2e)).get("reason") == "RolloutStalled" and c, timeout=90,
+                           interval=0.5, what="the rollout stalled")
+        assert stalled["status"] == "False" and stalled["message"].startswith("group 0: new pod"), stalled
+        assert "CrashLoopBackOff" in stalled["message"] or "failed" in stalled["message"], stalled
+        wait_for(lambda: [m for m in events(e2e, "RolloutStalled")], timeout=10, what="a RolloutStalled Event")
+        warnings = [ev for ev in e2e.api.get(f"/api/v1/namespaces/{e2e.ns}/events")["items"]
+                    if ev.get("reason") == "RolloutStalled"]
+        assert all(ev["type"] == "Warning" for ev in warnings), warnings
+        # The old primaries serve on (the EndpointSlice lists them and the agent holds them as
+        # primaries, beside group 0's failing pod); group 1 has its old pods only.
+        assert sorted(e2e.watch.current()) == sorted(v[0] for v in settled.values())
+        for primary, _, device in settled.values():
+            assert e2e.leases(device).get(primary) == "primary", (primary, e2e.leases(device))
+        group1 = {p["metadata"]["name"] for p in e2e.pods() if e2e_bench.group_of(p["metadata"]["name"]) == 1}
+        assert group1 <= before, f"group 1 was touched by a stalled rollout: {group1 - before}"
+        assert (engineset(e2e)["status"]["rollout"]["phase"], engineset(e2e)["status"]["rollout"]["group"]) \
+            == ("Stalled", 0)
+    finally:
+        e2e.api.patch(path, {"spec": {"template": good}})
+    wait_for(lambda: progressing(e2e).get("reason") == "RolloutComplete", timeout=90, interval=0.5,
+             what="the rollout complete again")
+    assert e2e.wait_settled((0, 1)) == settled
+
+
+def test_each_group_reports_what_it_serves_against_the_rollouts_target(e2e: e2e_bench.EndToEnd) -> None:
+    e2e.wait_settled((0, 1))
+    status = wait_for(lambda: (s := engineset(e2e).get("status") or {}) and all(
+        g.get("rollout") == "Updated" for g in s.get("groups") or [{}]) and s, timeout=20, what="groups Updated")
+    target = status["rollout"]["templateHash"]
+    for g in status["groups"]:
+        assert g["templateHash"] == target and g["updatedPods"] == g["pods"] == 1 + e2e.standbys, g
+        assert g["model"] == f"/models/{e2e_bench.MODEL}", g
+
+
+def test_a_switchover_requested_by_annotation_moves_the_endpoint_to_the_standby(e2e: e2e_bench.EndToEnd) -> None:
+    old, new, seconds = e2e_bench.switchover_by_annotation(e2e, 0)
+    assert seconds < 5, f"annotation -> EndpointSlice took {seconds:.2f} s"
+    assert e2e.wait_settled([0])[0][0] == new
+    wait_for(lambda: "weightcache.io/switchover-to" not in (engineset(e2e)["metadata"].get("annotations") or {}),
+             timeout=10, what="the annotation removed")
+    assert any(new in m and "annotation" in m for m in events(e2e, "Switched")), events(e2e, "Switched")
+
+
+def test_a_switchover_to_a_pod_that_is_no_standby_is_refused_by_an_event(e2e: e2e_bench.EndToEnd) -> None:
+    primary = e2e.wait_settled([1])[1][0]
+    e2e.lab.kubectl("annotate", "-n", e2e.ns, f"engineset/{e2e_bench.ENGINESET}",
+                    f"weightcache.io/switchover-to={primary}")
+    refused = wait_for(lambda: [m for m in events(e2e, "SwitchoverRefused") if primary in m], timeout=15,
+                       what="a SwitchoverRefused event")
+    assert "already the primary" in refused[0], refused
+    wait_for(lambda: "weightcache.io/switchover-to" not in (engineset(e2e)["metadata"].get("annotations") or {}),
+             timeout=10, what="the annotation removed")
+    assert e2e.wait_settled([1])[1][0] == primary
+
+
+def test_a_new_model_revision_rolls_every_group_to_the_new_weights_without_a_gap(
+        e2e: e2e_bench.EndToEnd, capsys: pytest.CaptureFixture[str]) -> None:
+    """The WeightCache moves to other weights: the agent's DaemonSet pod is replaced and loads them
+    while the old engines keep serving from the arena they map; then each group gets pods attached
+    to the new weights and its EndpointSlice entry moves to one of them with no gap."""
+    r = e2e_bench.roll_model(e2e, e2e_bench.MODEL_V2, "r2")
+    assert r.empty_windows == [], f"groups without a ready serving endpoint during the rollout: {r.empty_windows}"
+    status = engineset(e2e)["status"]
+    for g in status["groups"]:
+        assert g["model"] == f"/models/{e2e_bench.MODEL_V2}@r2" and g["rollout"] == "Updated", g
+    for group in (0, 1):
+        assert r.new_serving[group] != r.old_serving[group]
+    device = e2e.wait_settled([0])[0][2]
+    assert agent_status(e2e.socket_path(device), timeout=2).get("revision") == "r2"
+    with capsys.disabled():
+        os.write(1, (f"\nmodel rollout {e2e_bench.MODEL} -> {e2e_bench.MODEL_V2}@r2, 2 groups: {r.seconds:.1f} s "
+                     f"(agent reload included), {r.slice_changes} EndpointSlice changes, "
+                     f"{len(r.empty_windows)} spans without a serving endpoint\n").encode())

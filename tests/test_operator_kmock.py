@@ -374,3 +374,39 @@ async def test_weightcache_operator_command_runs_against_the_cluster(cluster: Ku
     proc.send_signal(signal.SIGTERM)
     output, _ = await asyncio.wait_for(proc.communicate(), timeout=20)
     assert proc.returncode == 0, output.decode()[-3000:]
+
+
+async def test_a_model_change_waits_for_room_for_a_second_copy(cluster: KubeClient, kmock: Any) -> None:
+    """A new revision loads beside the old one: while a node's tightest GPU has less free memory than
+    its largest rank, the DaemonSet keeps the old revision and the cache says why, by node."""
+    gib = 2**30
+    tight = {**agent_status("node-a", "Ready"), "rankBytes": 10 * gib, "freeBytes": 4 * gib}
+    with AgentServer(tight) as a, AgentServer({**agent_status("node-b", "Ready"), "rankBytes": 10 * gib,
+                                               "freeBytes": 60 * gib}) as b:
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+            await wait_for(lambda: ds_of(kmock, "llama"), what="the agent DaemonSet")
+            await daemonset_controller(cluster, "llama", desired=2)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-b", b.port))
+            # Serving the current revision with little free memory is no problem.
+            await wait_for(lambda: condition(wc_of(kmock, "llama"), "Ready")["status"] == "True", what="Ready")
+            assert condition(wc_of(kmock, "llama"), "Degraded")["status"] == "False"
+
+            await set_spec(cluster, kmock, "llama", {"model": {"revision": "v2"}})
+            degraded = await wait_for(lambda: (c := condition(wc_of(kmock, "llama"), "Degraded"))["reason"]
+                                      == "InsufficientMemory" and c, what="the change held for memory")
+            assert degraded["status"] == "True"
+            assert "main -> /models/meta-llama/Llama-3.1-70B-Instruct@v2" in degraded["message"]
+            assert "node-a has 4.0 GiB free on its tightest device, a second copy of a rank needs 10.0 GiB" \
+                in degraded["message"] and "node-b" not in degraded["message"]
+            args = container_of(ds_of(kmock, "llama"))["args"]
+            assert args[args.index("--revision") + 1] == "main", "the DaemonSet rolled although memory is short"
+            await wait_for(lambda: any(e["reason"] == "InsufficientMemory" and e["type"] == "Warning"
+                                       for e in events_for(kmock, "llama")), what="a Warning event")
+
+            # The standbys went, memory came back: the change proceeds.
+            a.doc = {**tight, "freeBytes": 12 * gib}
+            await wait_for(lambda: (a := container_of(ds_of(kmock, "llama"))["args"])[a.index("--revision") + 1] == "v2",
+                           what="the DaemonSet on the new revision")
+            await wait_for(lambda: condition(wc_of(kmock, "llama"), "Degraded")["reason"] != "InsufficientMemory")

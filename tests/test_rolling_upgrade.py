@@ -13,7 +13,8 @@ Two rollouts across three groups, one after the other:
 (b) a new model revision (other weights, served by a second agent beside the first).
 Bars: no failed request, each group answered by the old weights until its switch and by
 the new ones after, every group always has a primary, switch time p99 <= 1 s, and the
-old revision's agent holds no engine once the rollout is done.
+old revision's agent holds no engine once the rollout is done, and once it goes no process
+holds the old arena (its memory is back).
 """
 from __future__ import annotations
 
@@ -270,6 +271,31 @@ def check_traffic(records: list[dict], switches: list[tuple[int, float, float]],
         assert {r["fingerprint"] for r in after} == {new}, f"group {group}: old weights after the switch"
 
 
+def arena_inode(pid: int) -> tuple[int, int]:
+    """(device, inode) of the memfd arena the agent process `pid` holds."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        path = f"/proc/{pid}/fd/{fd}"
+        if os.readlink(path).startswith("/memfd:weightcache:"):
+            st = os.stat(path)
+            return st.st_dev, st.st_ino
+    raise AssertionError(f"agent {pid} holds no arena")
+
+
+def holders(arena: tuple[int, int]) -> list[int]:
+    """Processes with the arena open or mapped (the kernel frees a memfd when this is empty)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = [os.stat(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            with open(f"/proc/{pid}/maps") as f:
+                mapped = [line.split() for line in f if "memfd:weightcache" in line]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if any((st.st_dev, st.st_ino) == arena for st in fds) or any(int(m[4]) == arena[1] for m in mapped):
+            found.append(int(pid))
+    return found
+
+
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
@@ -309,6 +335,11 @@ def test_template_then_revision_rollout_without_a_failed_request(cluster, checkp
     assert not [r for r in records if not r["ok"]], [r for r in records if not r["ok"]][:3]
     check_traffic(records[mark:], revision_switches, old_fp, new_fp)
     wait_for(lambda: cluster.nodes["r1"].leases() == [], 30, "the old revision's agent without engines")
+    # Its DaemonSet pod goes (here: SIGTERM, as the kubelet sends): then no process holds the old
+    # arena any more, so the kernel has freed it -- the memory of a whole copy is back.
+    old_arena = arena_inode(agent_status(cluster.nodes["r1"].socket)["pid"])
+    cluster.nodes.pop("r1").stop()
+    assert holders(old_arena) == [], "processes still map or hold the old revision's arena"
 
     seconds = [s for _, _, s in template_switches + revision_switches]
     assert p99(seconds) <= 1.0

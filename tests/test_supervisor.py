@@ -177,6 +177,12 @@ def test_two_ranks_ready_status_and_metrics(node):
     assert workers[0]["fingerprint"] != workers[1]["fingerprint"]  # two shards, not one copy twice
     assert status["bytes"] == sum(w["bytes"] for w in workers)
     assert status["loadSeconds"] == pytest.approx(max(w["load_seconds"] for w in workers), abs=1e-5)
+    # Room for a second copy (a model revision loading beside this one): the largest rank's arena
+    # against the tightest device's free memory (host memory on the cpu backend).
+    assert status["rankBytes"] == max(w["arena_bytes"] for w in workers) >= max(w["bytes"] for w in workers)
+    assert 0 < status["freeBytes"] == min(r["freeBytes"] for r in status["ranks"])
+    from weightcache_agent.arena.cpu import available_memory
+    assert status["freeBytes"] <= available_memory() + 2**30  # what the host has (a GiB of slack: it moves)
     assert node.get("/nope")[0] == 404
 
     # An engine (the reference engine's load path, in this process) attaches to rank 0 and

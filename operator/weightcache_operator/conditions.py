@@ -17,7 +17,8 @@ from typing import Any
 READY = "Ready"
 LOADING = "Loading"
 DEGRADED = "Degraded"
-OURS = (READY, LOADING, DEGRADED)
+PROGRESSING = "Progressing"  # an EngineSet's rollout
+OURS = (READY, LOADING, DEGRADED, PROGRESSING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Transition:
             return self.status == "True"
         if self.type == READY:
             return self.old_status == "True" and self.status != "True"
+        if self.type == PROGRESSING:
+            return self.status == "False"  # a rollout stalled
         return False
 
 

@@ -39,6 +39,7 @@ the API, except the time each primary was last seen (for the failover duration).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -51,15 +52,17 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from .agents import AgentStatusError, fetch_all, select_agent_pods
-from .conditions import DEGRADED, READY, Desired, merge, now_rfc3339, transitions
+from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339, transitions
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset_manifests import (
+    ANNOTATION_MODEL,
     LABEL_ENGINESET,
     LABEL_GROUP,
     LABEL_SERVING,
     LABEL_TEMPLATE_HASH,
     claim_name,
     lease_group,
+    model_label,
     placement_of,
     pod_name,
     render_claim,
@@ -71,6 +74,8 @@ from .engineset_manifests import (
 )
 from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
 from .kube import KubeApi, merge_patch_for
+from .manifests import model_dir
+from .transition import holds_for_memory, model_of
 from .manifests import selector_labels as agent_selector_labels
 from .control import SwitchoverError, control_token, post_switchover
 from .placement import Placement, Replica, orphaned, place
@@ -83,7 +88,9 @@ STATUS_KEYS = (
     "rollout", "groups", "conditions",
 )
 MAX_GROUP_ENTRIES = 64
-PROGRESSING = "Progressing"
+# `kubectl annotate engineset NAME weightcache.io/switchover-to=POD`: a planned switchover on request.
+ANNOTATION_SWITCHOVER = "weightcache.io/switchover-to"
+
 # A pod in one of these states will not become ready by waiting: a rollout stops on it.
 FAILING_REASONS = ("CrashLoopBackOff", "ErrImagePull", "ImagePullBackOff", "InvalidImageName",
                    "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
@@ -223,7 +230,8 @@ def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, An
     for key in STATUS_KEYS:
         if key in new:
             if old.get(key) != new[key]:
-                patch[key] = new[key]
+                # A dict (rollout) is patched key by key: a key it no longer has must go (null).
+                patch[key] = merge_patch_for(old.get(key), new[key]) if isinstance(new[key], dict) else new[key]
         elif key in old:
             patch[key] = None
     return patch
@@ -247,6 +255,11 @@ class CacheView:
     agent_nodes: set[str]  # nodes with an agent pod of the cache (answering or not)
     roles: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)  # node -> pod name -> role
     agent_urls: dict[str, str] = dataclasses.field(default_factory=dict)  # node -> http://ip:port
+    # Nodes whose agent runs the cache's current model and revision and has it loaded: a group
+    # is rolled onto a new model only there (its new pods could not attach anywhere else).
+    current: set[str] = dataclasses.field(default_factory=set)
+    # The cache holds a model change until its nodes have room for a second copy: standbys stop meanwhile.
+    memory_hold: bool = False
 
 
 class EngineSetReconciler:
@@ -263,7 +276,7 @@ class EngineSetReconciler:
 
     # --- reading ------------------------------------------------------------------------
 
-    def _read_cache(self, namespace: str, es: EngineSetSpec) -> tuple[CacheSpec, bool, str]:
+    def _read_cache(self, namespace: str, es: EngineSetSpec) -> tuple[CacheSpec, bool, str, bool]:
         assert self.api is not None
         cache = self.api.get_cache(namespace, es.cache_name)
         if cache is None:
@@ -278,11 +291,12 @@ class EngineSetReconciler:
                             f"spec.gpuBinding.deviceClassName: DeviceClass {es.device_class} does not exist "
                             "(install the GPU's DRA driver, or use gpuBinding.mode visibleDevices)")
         ready = {c.get("type"): c for c in (cache.get("status") or {}).get("conditions") or []}.get("Ready") or {}
-        return cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet")
+        return (cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet"),
+                holds_for_memory(cache))
 
     async def _cache_view(self, namespace: str, es: EngineSetSpec) -> CacheView:
         assert self.api is not None
-        cs, ready, message = await asyncio.to_thread(self._read_cache, namespace, es)
+        cs, ready, message, memory_hold = await asyncio.to_thread(self._read_cache, namespace, es)
         labels = agent_selector_labels(es.cache_name)
         raw = await asyncio.to_thread(self.api.list_pods, namespace, labels)
         agents = select_agent_pods(raw, labels, AGENT_HTTP_PORT)
@@ -292,6 +306,8 @@ class EngineSetReconciler:
         roles: dict[str, dict[str, str]] = {}
         urls: dict[str, str] = {}
         unreachable: dict[str, str] = {}
+        current: set[str] = set()
+        raw_by_name = {_meta(x).get("name"): x for x in raw}
         for agent in agents:
             if agent.node is None:
                 continue
@@ -303,13 +319,16 @@ class EngineSetReconciler:
             roles[agent.node] = pod_roles(doc)
             if agent.url:
                 urls[agent.node] = agent.url.rsplit("/status", 1)[0]
+            if doc.get("phase") == "Ready" and \
+                    model_of((raw_by_name.get(agent.name) or {}).get("spec") or {}) == (model_dir(cs), cs.revision):
+                current.add(agent.node)
             if doc.get("phase") != "Ready" and not isinstance(doc.get("replicas"), list):
                 continue
             for r in node_replicas(doc, cs.tensor) or []:
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
-                         {a.node for a in agents if a.node is not None}, roles, urls)
+                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold)
 
     async def _still_not_primary(self, namespace: str, es: EngineSetSpec,
                                  pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -506,6 +525,9 @@ class EngineSetReconciler:
                     note("deleted", "ResourceClaim", _meta(claim)["name"])
             waiting.add(group)
 
+        if (wanted := (_meta(body).get("annotations") or {}).get(ANNOTATION_SWITCHOVER)) is not None:
+            await self._manual_switchover(body, es, view, namespace, name, str(wanted), by_group, placed, logger)
+
         thash = template_hash(es, view.spec, self.config)
         # One group at a time is rolled to a new template (the first with an outdated pod),
         # so a bad template stops after it while the other groups keep their old primaries.
@@ -550,12 +572,21 @@ class EngineSetReconciler:
                         note("deleted", "Pod", _meta(pod)["name"], f"pod {phase}" if not wrong_place else "placement changed")
                     del gp.live[slot]
                     gp.terminating.add(slot)
-            if group == rolling:
+            if group == rolling and view.memory_hold:
+                step = Step("wait", group, reason=f"the WeightCache holds {model_label(view.spec)} until every node has "
+                            "room for a second copy (its Degraded condition says which); standbys are stopped meanwhile")
+            elif group == rolling and p.node not in view.current:
+                step = Step("wait", group, reason=f"waiting for the agent on {p.node} to load {model_label(view.spec)}")
+            elif group == rolling:
                 step = await self._roll(body, es, view, namespace, name, p, gp, thash, note, rejected)
             # Missing pods, in the lowest free slots (a rolling group's pods are the planner's).
             # Counted, not slot by slot: after a rollout the pods may sit in any slots.
-            missing = 0 if group == rolling else es.slots - len(gp.live) - len(gp.terminating)
-            free = [s for s in range(es.slots + len(gp.live) + len(gp.terminating))
+            # While the cache waits for memory for a new model, no standbys (their memory is what it waits
+            # for); and a standby is only started where the agent already serves the cache's model.
+            slots = 1 if view.memory_hold else es.slots
+            missing = 0 if group == rolling or (gp.live and p.node not in view.current) else \
+                slots - len(gp.live) - len(gp.terminating)
+            free = [s for s in range(slots + len(gp.live) + len(gp.terminating))
                     if s not in gp.live and s not in gp.terminating][:max(missing, 0)]
             for slot in free:
                 pod = render_pod(es, view.spec, self.config, namespace, name, p, slot)
@@ -584,13 +615,14 @@ class EngineSetReconciler:
                     serving_true.append(primary)
                 serving_false += [pod for pod in labelled if pod is not primary]
             # Excess standbys go, highest slot first; never the primary or a pod still routed to.
-            excess = 0 if group == rolling else len(gp.live) - es.slots
+            excess = 0 if group == rolling and not view.memory_hold else len(gp.live) - slots
             for slot, pod in sorted(gp.live.items(), reverse=True):
                 if excess <= 0:
                     break
                 if pod is not primary and pod not in labelled:
                     if await asyncio.to_thread(api.delete, "Pod", namespace, _meta(pod)["name"], _meta(pod).get("uid")):
-                        note("deleted", "Pod", _meta(pod)["name"], f"standbys is {es.standbys}")
+                        note("deleted", "Pod", _meta(pod)["name"], "the cache needs the memory for a new model" if view.memory_hold
+                             else f"standbys is {es.standbys}")
                     del gp.live[slot]
                     excess -= 1
 
@@ -628,10 +660,20 @@ class EngineSetReconciler:
             counts["ready"] += int(ready_primary)
             counts["serving"] += int(ready_primary and (serving_pod in serving_true or serving_pod in labelled))
             counts["standbys"] += sum(1 for x in gp.live.values() if x is not serving_pod and pod_ready(x))
+            updated = sum(1 for x in gp.live.values() if (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH) == thash)
             counts["pods"] += len(gp.live)
-            counts["updated"] += sum(1 for x in gp.live.values()
-                                     if (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH) == thash)
+            counts["updated"] += updated
             entry["phase"] = "Serving" if ready_primary else "Starting"
+            # The rollout per group: what serves now (hash, model) against status.rollout.templateHash.
+            if serving_pod is not None:
+                entry["templateHash"] = (_meta(serving_pod).get("labels") or {}).get(LABEL_TEMPLATE_HASH, "")[:64]
+                if model := (_meta(serving_pod).get("annotations") or {}).get(ANNOTATION_MODEL):
+                    entry["model"] = model[:512]
+            entry.update(updatedPods=updated, pods=len(gp.live))
+            if group == rolling and step is not None:
+                entry["rollout"] = "Stalled" if step.kind == "stalled" else "Progressing"
+            else:
+                entry["rollout"] = "Updated" if updated == len(gp.live) else "Pending"
             groups_status.append(entry)
         for group in unplaced:
             groups_status.append({"index": group, "phase": "Unplaced"})
@@ -735,6 +777,50 @@ class EngineSetReconciler:
                     del gp.live[slot]
                     gp.terminating.add(slot)
         return step
+
+    async def _manual_switchover(self, body: kopf.Body, es: EngineSetSpec, view: CacheView, namespace: str,
+                                 name: str, to_pod: str, by_group: Mapping[int, "GroupPods"],
+                                 placed: Mapping[int, Placement], logger: Any) -> None:
+        """`kubectl annotate engineset NAME weightcache.io/switchover-to=POD`: make a warm standby primary.
+
+        A one-shot request: done or refused, the annotation is removed and an Event says which
+        (a refused one names why); while the agent cannot be reached it stays for the next pass.
+        """
+        assert self.api is not None
+        group = next((g for g, gp in by_group.items()
+                      if any(_meta(x).get("name") == to_pod for x in gp.live.values())), None)
+        p = placed.get(group) if group is not None else None
+        why = ""
+        if p is None:
+            why = f"{to_pod} is not a live engine pod of EngineSet {name}"
+        elif view.roles.get(p.node, {}).get(to_pod) == "primary":
+            why = f"{to_pod} is already the primary of group {group}"
+        elif view.roles.get(p.node, {}).get(to_pod) != "standby":
+            why = f"{to_pod} is not attached as a standby (the agent on {p.node} reports " \
+                  f"{view.roles.get(p.node, {}).get(to_pod) or 'nothing'} for it)"
+        elif self.config.control_key is None:
+            why = "the operator has no control key (install with the chart, or set WEIGHTCACHE_CONTROL_KEY_FILE)"
+        elif (url := view.agent_urls.get(p.node)) is None:
+            logger.info(f"switchover to {to_pod}: the agent on {p.node} does not answer; retrying")
+            return
+        else:
+            try:
+                reply = await asyncio.to_thread(
+                    post_switchover, url, control_token(self.config.control_key, namespace, es.cache_name),
+                    lease_group(namespace, name, p.group), to_pod, self.config.agent_http_timeout)
+            except SwitchoverError as e:
+                why = str(e)
+            else:
+                kopf.event(body, type="Normal", reason="Switched",
+                           message=f"group {p.group}: {to_pod} is primary (requested by annotation; planned "
+                                   f"switchover in {float(reply.get('seconds') or 0) * 1e3:.1f} ms)")
+                logger.info(f"group {p.group}: switchover to {to_pod} as requested")
+        if why:
+            kopf.event(body, type="Warning", reason="SwitchoverRefused", message=f"switchover to {to_pod}: {why}"[:1024])
+            logger.warning(f"switchover to {to_pod} refused: {why}")
+        with contextlib.suppress(ApiException):  # a newer request in between stays for the next pass
+            await asyncio.to_thread(self.api.remove_engineset_annotation, namespace, name, ANNOTATION_SWITCHOVER,
+                                    _meta(body).get("resourceVersion"))
 
     @staticmethod
     def _conditions(es: EngineSetSpec, view: CacheView, counts: Mapping[str, int], unplaced: list[int],

@@ -46,6 +46,8 @@ LABEL_SERVING = "weightcache.io/serving"
 LABEL_TEMPLATE_HASH = "weightcache.io/template-hash"
 ANNOTATION_NODE = "weightcache.io/node"
 ANNOTATION_GPUS = "weightcache.io/gpus"
+# The model an engine pod attaches, "<dir>@<revision>": what `status.groups[].model` reports.
+ANNOTATION_MODEL = "weightcache.io/model"
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 # Names the operator adds to the pod; a template's own entries of these names are replaced.
@@ -95,6 +97,11 @@ def template_hash(es: EngineSetSpec, cs: CacheSpec, config: OperatorConfig) -> s
         # A new model (path or revision) is a new pod: rolled like a new template.
         "model": [model_dir(cs), cs.revision],
     })
+
+
+def model_label(cs: CacheSpec) -> str:
+    """What model an engine pod attaches, for people: the directory and the revision."""
+    return f"{model_dir(cs)}@{cs.revision}" if cs.revision else model_dir(cs)
 
 
 def _object_labels(name: str, group: int) -> dict[str, str]:
@@ -170,7 +177,8 @@ def render_pod(
     labels.update(_object_labels(name, p.group))
     labels[LABEL_SERVING] = "true" if serving else "false"
     labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
-    annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p)}
+    annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p),
+                   ANNOTATION_MODEL: model_label(cs)}
 
     ours = _env(es, namespace, name, p, model_dir(cs), role)
     mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets},

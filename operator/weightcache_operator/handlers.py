@@ -13,7 +13,10 @@ run the same ``Reconciler.reconcile``, which does not care why it runs:
    removes them with the last cache); then render the DaemonSet (and ConfigMap for
    sharding rules) and create-or-patch them, owned by the WeightCache (controller
    reference; owner-reference garbage collection deletes them with it, so no
-   finalizer is needed for cleanup); an unchanged spec hash means no write at all;
+   finalizer is needed for cleanup); an unchanged spec hash means no write at all. A
+   new model path or revision leaves the DaemonSet as it is while a node lacks the
+   memory for a second copy of a rank (``transition``): Degraded, reason
+   ``InsufficientMemory``, until every node has room;
 3. list the agent pods, ask each for ``/status``, roll the answers up;
 4. compute the conditions, patch the status subresource only if something changed,
    and post an Event for each condition that changed status or reason.
@@ -43,7 +46,7 @@ from kubernetes.client.exceptions import ApiException
 
 from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
 from .agents import fetch_all, select_agent_pods
-from .conditions import Desired, merge, transitions
+from .conditions import DEGRADED, Desired, merge, transitions
 from .control import render_control_secret
 from .config import AGENT_HTTP_PORT, OperatorConfig
 from .engineset import EngineSetReconciler
@@ -53,6 +56,7 @@ from .manifests import (
     LABEL_MANAGED_BY,
     MANAGED_BY,
     daemonset_name,
+    model_dir,
     render_agent_role_binding,
     render_agent_service_account,
     render_daemonset,
@@ -60,8 +64,9 @@ from .manifests import (
     selector_labels,
     socket_dir,
 )
-from .rollup import agent_conditions, daemonset_rollout, spec_conditions, summarize
+from .rollup import agent_conditions, daemonset_rollout, node_entry, spec_conditions, summarize
 from .spec import SpecError, parse_spec, plain
+from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
 
 # Status keys this operator owns (anything else in .status is left alone).
 STATUS_KEYS = (
@@ -237,6 +242,10 @@ class Reconciler:
             kopf.append_owner_reference(children, owner=body)
             try:
                 live_ds = None
+                agents = await self._agents(namespace, name)
+                held = await asyncio.to_thread(self._held_for_memory, namespace, name, cs, *agents)
+                if held is not None:
+                    live_ds, children = held[0], [c for c in children if c["kind"] != "DaemonSet"]
                 for shared in (render_agent_service_account(namespace), render_agent_role_binding(namespace)):
                     action = await asyncio.to_thread(self._ensure_shared, shared, body)
                     if action == "created":
@@ -258,18 +267,33 @@ class Reconciler:
             except OwnershipConflict as e:
                 desired = spec_conditions("OwnershipConflict", str(e))
             else:
-                desired = await self._agent_conditions(namespace, name, live_ds, new_status, cs.tensor)
+                desired = self._agent_conditions(live_ds, new_status, *agents, cs.tensor)
+                if held is not None:
+                    desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", HELD_FOR_MEMORY, held[1])]
 
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
         await self._write_status(body, memo, old_status, new_status, logger)
 
-    async def _agent_conditions(
-        self, namespace: str, name: str, live_ds: dict[str, Any] | None, new_status: dict[str, Any], tp: int
-    ) -> list[Desired]:
+    async def _agents(self, namespace: str, name: str) -> tuple[list[Any], dict[str, Any]]:
+        """The agent pods and what each answered to `/status`."""
         assert self.api is not None
         raw_pods = await asyncio.to_thread(self.api.list_pods, namespace, selector_labels(name))
         pods = select_agent_pods(raw_pods, selector_labels(name), AGENT_HTTP_PORT)
-        answers = await fetch_all(pods, timeout=self.config.agent_http_timeout)
+        return pods, await fetch_all(pods, timeout=self.config.agent_http_timeout)
+
+    def _held_for_memory(self, namespace: str, name: str, cs: Any, pods: list[Any],
+                         answers: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
+        """(live DaemonSet, why) when a model change must wait for memory (see `transition`), else None."""
+        assert self.api is not None
+        live = self.api.get_daemonset(namespace, daemonset_name(name))
+        old, new = daemonset_model(live), (model_dir(cs), cs.revision)
+        if live is None or old is None or old == new:
+            return None
+        short = memory_shortfalls([node_entry(p, answers.get(p.name)) for p in pods if p.node is not None])
+        return (live, hold_message(old, new, short)) if short else None
+
+    def _agent_conditions(self, live_ds: dict[str, Any] | None, new_status: dict[str, Any], pods: list[Any],
+                          answers: dict[str, Any], tp: int) -> list[Desired]:
         rollout = daemonset_rollout(live_ds)
         summary = summarize(pods, answers, rollout.desired, self.config.max_node_entries, tp)
         new_status.update(summary)

@@ -240,3 +240,12 @@ class KubeApi:
         return self._json(self._custom.patch_namespaced_custom_object_status(
             API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"status": dict(status_patch)},
             _content_type=MERGE_PATCH, _preload_content=False))
+
+    def remove_engineset_annotation(self, namespace: str, name: str, key: str, resource_version: str | None) -> None:
+        """Drop one annotation; with ``resource_version``, only from that version (409 otherwise)."""
+        meta: dict[str, Any] = {"annotations": {key: None}}
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        self._custom.patch_namespaced_custom_object(
+            API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"metadata": meta},
+            _content_type=MERGE_PATCH, _preload_content=False)

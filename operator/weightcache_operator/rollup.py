@@ -121,8 +121,9 @@ def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | Non
     entry["phase"] = phase
     if (m := _str(answer.get("message"), MAX_MESSAGE)) is not None:
         entry["message"] = m
-    if (b := _nonneg_int(answer.get("bytes"))) is not None:
-        entry["bytes"] = b
+    for key in ("bytes", "rankBytes", "freeBytes"):
+        if (b := _nonneg_int(answer.get(key))) is not None:
+            entry[key] = b
     if (p := _progress(answer, phase)) is not None:
         entry["progress"] = p
     load = answer.get("loadSeconds")

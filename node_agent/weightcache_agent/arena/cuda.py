@@ -108,6 +108,13 @@ def device_mark(ordinal: int) -> str:
     return f"sm_{major}{minor}/cuda-{torch_cuda_version()}"
 
 
+def free_memory(ordinal: int) -> int:
+    """Bytes free on the device now (cuMemGetInfo in its primary context): what a second arena may take."""
+    _activate(ordinal)
+    free, _total = _call(_driver().cuMemGetInfo(), "cuMemGetInfo")
+    return int(free)
+
+
 def torch_cuda_version() -> str | None:
     """`torch.version.cuda`: from torch once imported, else from the installed torch's version.py
     (a small file read; importing torch takes seconds)."""

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
         "Llama/Qwen2/Mistral decoder, any other causal LM through transformers.",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
                   "curl -s localhost:8000/generate -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"],
-        env={"WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
+        env={"WEIGHTCACHE_MODEL": "the checkpoint directory, when --model is not given (set in EngineSet pods)",
+             "WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
@@ -38,8 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_ENGINE_START": "overlapped (default) | sequential: start-up steps side by side, or one "
                                          "after another (to measure what overlapping saves)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
-    p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json); a model_type "
-                   "other than llama/qwen2/mistral is served with transformers (the transformers extra)")
+    p.add_argument("--model", default=os.environ.get("WEIGHTCACHE_MODEL") or None,
+                   help="checkpoint directory (*.safetensors + config.json; default: $WEIGHTCACHE_MODEL, which an "
+                        "EngineSet sets to its cache's model). A model_type other than llama/qwen2/mistral is served "
+                        "with transformers (the transformers extra)")
     p.add_argument("--socket", help="the agent's Unix socket (default: $WEIGHTCACHE_SOCKET, else this rank's device "
                                     "socket in $WEIGHTCACHE_SOCKET_DIR); not needed with --mode off")
     p.add_argument("--mode", choices=("client", "daemon", "off"), default="client",
@@ -72,6 +75,8 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_format, getattr(logging, args.log_level.upper()))
+    if not args.model:
+        parser.error("--model (or $WEIGHTCACHE_MODEL) is required")
     if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
                                    or os.environ.get("WEIGHTCACHE_SOCKET_DIR")):
         parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")

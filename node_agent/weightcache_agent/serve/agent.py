@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
 from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
-from ..arena.cpu import CpuArena
+from ..arena.cpu import CpuArena, available_memory
 from ..arena.devices import Device
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
@@ -291,6 +291,17 @@ class Agent:
                             fill=time.monotonic() - t2 - info["wait_seconds"])
         return loaded_from(self.prepared, arena, time.monotonic() - t0)
 
+    def _free_bytes(self) -> int | None:
+        try:
+            if self.device.backend == "cpu":
+                return available_memory()
+            from ..arena.cuda import free_memory
+
+            return free_memory(self.device.ordinal)
+        except (WeightCacheError, OSError) as e:
+            log.debug("cannot read the free memory of %s: %s", self.device.uuid, e)
+            return None
+
     def _device_mark(self) -> str:
         if self.device.backend == "cpu":
             return "cpu"
@@ -407,6 +418,9 @@ class Agent:
             "layout_hash": cache.layout.layout_hash if cache else None,
             "bytes": cache.layout.nbytes if cache else 0,
             "arena_bytes": cache.layout.size if cache else 0,
+            # Room for a second arena beside this one (a new model revision loading while engines
+            # still map this one): the operator checks it before it starts such a transition.
+            "free_bytes": self._free_bytes(),
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,

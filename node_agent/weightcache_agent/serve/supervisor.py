@@ -330,6 +330,8 @@ class Worker:
             "device": self.device.uuid,
             "phase": self.phase,
             "bytes": int(status.get("bytes") or 0),
+            "arenaBytes": int(status.get("arena_bytes") or 0),
+            "freeBytes": status.get("free_bytes") if isinstance(status.get("free_bytes"), int) else None,
             "progress": round(min(max(fraction, 0.0), 1.0), 4),
             "clients": len(status.get("clients") or []),
             "socket": self.socket,
@@ -463,6 +465,10 @@ class NodeSupervisor:
             "message": message,
             "fingerprint": node_fingerprint(ranks),
             "bytes": sum(r["bytes"] for r in ranks),
+            # A revision change loads a second copy of each rank beside the first: the largest rank
+            # against the tightest device says whether it fits (None until every rank has said).
+            "rankBytes": max((r["arenaBytes"] for r in ranks), default=0),
+            "freeBytes": min(free) if (free := [r["freeBytes"] for r in ranks]) and None not in free else None,
             # Ranks load side by side: the node was ready when its slowest rank was.
             "loadSeconds": round(max(load), 6) if load else 0.0,
             "clients": sum(r["clients"] for r in ranks),
