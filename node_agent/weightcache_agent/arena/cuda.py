@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import OutOfMemory, WeightCacheError
@@ -163,9 +164,13 @@ def granularity(ordinal: int) -> int:
 
 
 class _Mapping:
-    """A reserved + mapped VA range over one allocation handle; unmapped and released on drop."""
+    """A reserved + mapped VA range over one allocation handle; unmapped and released on drop.
 
-    def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool):
+    `ordinal` and every device in `readers` get access (the readers: read-only, over the GPUs'
+    peer link)."""
+
+    def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool,
+                 readers: Sequence[int] = ()):
         cu = _driver()
         self.size, self.ordinal, self._handle, self._owns_handle = size, ordinal, handle, owns_handle
         self.ptr = None
@@ -173,7 +178,8 @@ class _Mapping:
             self.ptr = _call(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
             _call(cu.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
             self._mapped = True
-            _call(cu.cuMemSetAccess(self.ptr, size, [_access(ordinal, writable)], 1), "cuMemSetAccess")
+            access = [_access(ordinal, writable)] + [_access(o, False) for o in sorted(set(readers) - {ordinal})]
+            _call(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
         except BaseException:
             self.release()
             raise
@@ -286,7 +292,7 @@ def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
     return _Mapping(handle, size, ordinal, writable=False, owns_handle=True).tensor()
 
 
-class PeerView:
+class PeerView(_Mapping):
     """Another arena's fd (same node, any GPU), mapped read-only for a list of devices.
 
     What a replica's agent copies its arena from: the source device and the copying device
@@ -299,21 +305,11 @@ class PeerView:
         from .devices import local_ordinal
 
         cu = _driver()
-        self.size, self.ptr = size, None
-        self.owner = local_ordinal(owner_uuid)
-        _activate(self.owner)
-        self._handle = _call(cu.cuMemImportFromShareableHandle(
+        owner = local_ordinal(owner_uuid)
+        _activate(owner)
+        handle = _call(cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
-        try:
-            self.ptr = _call(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
-            _call(cu.cuMemMap(self.ptr, size, 0, self._handle, 0), "cuMemMap")
-            self._mapped = True
-            ordinals = sorted({self.owner, *readers})
-            _call(cu.cuMemSetAccess(self.ptr, size, [_access(o, False) for o in ordinals], len(ordinals)),
-                  "cuMemSetAccess (peer read)")
-        except BaseException:
-            self.release()
-            raise
+        super().__init__(handle, size, owner, writable=False, owns_handle=True, readers=readers)
 
     def copy_into(self, dest: "torch.Tensor") -> None:
         """Copy the first `dest.numel()` bytes into `dest` (a uint8 tensor on any device), then wait."""
@@ -325,15 +321,3 @@ class PeerView:
         _call(cu.cuMemcpyAsync(cu.CUdeviceptr(dest.data_ptr()), cu.CUdeviceptr(int(self.ptr)), dest.numel(),
                                cu.CUstream(stream.cuda_stream)), "cuMemcpyAsync (peer copy)")
         stream.synchronize()
-
-    def release(self) -> None:
-        cu = _driver()
-        if self.ptr is not None:
-            if getattr(self, "_mapped", False):
-                cu.cuMemUnmap(self.ptr, self.size)
-                self._mapped = False
-            cu.cuMemAddressFree(self.ptr, self.size)
-            self.ptr = None
-        if self._handle is not None:
-            cu.cuMemRelease(self._handle)
-            self._handle = None
