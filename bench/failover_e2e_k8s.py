@@ -40,6 +40,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
@@ -426,19 +427,19 @@ def _wait_rollout(e2e: EndToEnd, complete: Any, timeout: float) -> dict[str, Any
         raise TimeoutError(f"{e}; rollout status {status.get('rollout')}; pods {pods}") from None
 
 
-def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 240) -> Rollout:
-    """Change the EngineSet's template and wait for the rollout to complete with every group settled."""
+def _roll(e2e: EndToEnd, change: Callable[[], Callable[[dict[str, Any]], bool]], timeout: float) -> Rollout:
+    """Make `change` (it returns what says the EngineSet's status saw it) and wait for the rollout
+    to complete: phase Complete, every live pod on its template hash, every group settled."""
     settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
     old_serving = {g: v[0] for g, v in settled.items()}
     path = f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}"
     start = time.perf_counter()
-    es = e2e.api.patch(path, {"spec": {"template": engine_template(extra_args)}})
-    generation = es["metadata"]["generation"]
+    seen = change()
 
     def complete() -> dict[str, Any] | None:
         status = e2e.api.get(path).get("status") or {}
         rollout = status.get("rollout") or {}
-        if status.get("observedGeneration") != generation or rollout.get("phase") != "Complete":
+        if rollout.get("phase") != "Complete" or not seen(status):
             return None
         pods = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
         hashes = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in pods}
@@ -454,34 +455,28 @@ def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 2
                    changes, windows)
 
 
+def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 240) -> Rollout:
+    """Change the EngineSet's template and wait for the rollout to complete with every group settled."""
+    def change() -> Callable[[dict[str, Any]], bool]:
+        es = e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}",
+                           {"spec": {"template": engine_template(extra_args)}})
+        return lambda status: status.get("observedGeneration") == es["metadata"]["generation"]
+
+    return _roll(e2e, change, timeout)
+
+
 def roll_model(e2e: EndToEnd, path: str, revision: str, timeout: float = 240) -> Rollout:
     """Move the WeightCache to another model directory and revision, and wait for the EngineSet's
     rollout to complete: the agent DaemonSet rolls (its new pod loads the new weights while the old
     engines keep serving the old ones they map), then every group switches to pods attached to it."""
-    settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
-    old_serving = {g: v[0] for g, v in settled.items()}
-    es_path = f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}"
-    old_hash = (e2e.api.get(es_path).get("status") or {}).get("rollout", {}).get("templateHash")
-    start = time.perf_counter()
-    e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/weightcaches/{CACHE}",
-                  {"spec": {"model": {"path": path, "revision": revision}}})
+    def change() -> Callable[[dict[str, Any]], bool]:
+        es = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}")
+        old_hash = ((es.get("status") or {}).get("rollout") or {}).get("templateHash")
+        e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/weightcaches/{CACHE}",
+                      {"spec": {"model": {"path": path, "revision": revision}}})
+        return lambda status: status["rollout"].get("templateHash") not in (None, old_hash)
 
-    def complete() -> dict[str, Any] | None:
-        rollout = (e2e.api.get(es_path).get("status") or {}).get("rollout") or {}
-        if rollout.get("phase") != "Complete" or rollout.get("templateHash") in (None, old_hash):
-            return None
-        pods = [p for p in e2e.pods() if not p["metadata"].get("deletionTimestamp")]
-        hashes = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in pods}
-        if set(hashes.values()) != {rollout["templateHash"]}:
-            return None
-        return {"hashes": hashes, "hash": rollout["templateHash"]}
-
-    done = _wait_rollout(e2e, complete, timeout)
-    after = e2e.wait_settled(range(e2e.replicas), timeout=60)
-    seconds = time.perf_counter() - start
-    changes, windows = e2e.empty_windows(start)
-    return Rollout(seconds, old_serving, {g: v[0] for g, v in after.items()}, done["hashes"], done["hash"],
-                   changes, windows)
+    return _roll(e2e, change, timeout)
 
 
 def switchover_by_annotation(e2e: EndToEnd, group: int, timeout: float = 30) -> tuple[str, str, float]:
