@@ -75,6 +75,9 @@ STATUS_KEYS = (
 )
 
 
+_UNREAD = object()  # `_ensure`: the live object was not read yet
+
+
 class OwnershipConflict(Exception):
     """A child object with our name exists but is not controlled by this WeightCache."""
 
@@ -107,15 +110,19 @@ class Reconciler:
 
     # --- children -------------------------------------------------------------------
 
-    def _ensure(self, kind: str, desired: dict[str, Any], owner_uid: str | None) -> tuple[dict[str, Any], str]:
-        """Create-or-patch one child; returns (live object, "created" | "patched" | "unchanged")."""
+    def _ensure(self, kind: str, desired: dict[str, Any], owner_uid: str | None,
+                current: Any = _UNREAD) -> tuple[dict[str, Any], str]:
+        """Create-or-patch one child; returns (live object, "created" | "patched" | "unchanged").
+
+        `current`: the live object (None: absent) when the caller has just read it."""
         assert self.api is not None
         ns, name = desired["metadata"]["namespace"], desired["metadata"]["name"]
         get, create, patch = {
             "DaemonSet": (self.api.get_daemonset, self.api.create_daemonset, self.api.patch_daemonset),
             "ConfigMap": (self.api.get_configmap, self.api.create_configmap, self.api.patch_configmap),
         }[kind]
-        current = get(ns, name)
+        if current is _UNREAD:
+            current = get(ns, name)
         if current is None:
             try:
                 return create(desired), "created"
@@ -241,11 +248,11 @@ class Reconciler:
             children = [o for o in (cm, ds) if o is not None]  # ConfigMap first: the pods mount it
             kopf.append_owner_reference(children, owner=body)
             try:
-                live_ds = None
+                live_ds = await asyncio.to_thread(self.api.get_daemonset, namespace, daemonset_name(name))
                 agents = await self._agents(namespace, name)
-                held = await asyncio.to_thread(self._held_for_memory, namespace, name, cs, *agents)
+                held = self._held_for_memory(live_ds, cs, *agents)
                 if held is not None:
-                    live_ds, children = held[0], [c for c in children if c["kind"] != "DaemonSet"]
+                    children = [c for c in children if c["kind"] != "DaemonSet"]
                 for shared in (render_agent_service_account(namespace), render_agent_role_binding(namespace)):
                     action = await asyncio.to_thread(self._ensure_shared, shared, body)
                     if action == "created":
@@ -256,7 +263,8 @@ class Reconciler:
                     if await asyncio.to_thread(self._create_once, secret):
                         logger.info(f"created Secret {secret['metadata']['name']}")
                 for child in children:
-                    live, action = await asyncio.to_thread(self._ensure, child["kind"], child, uid)
+                    live, action = await asyncio.to_thread(self._ensure, child["kind"], child, uid,
+                                                           live_ds if child["kind"] == "DaemonSet" else _UNREAD)
                     if action != "unchanged":
                         logger.info(f"{action} {child['kind']} {child['metadata']['name']}")
                         # kopf.event, not kopf.info: explicit events ignore the posting level.
@@ -269,7 +277,7 @@ class Reconciler:
             else:
                 desired = self._agent_conditions(live_ds, new_status, *agents, cs.tensor)
                 if held is not None:
-                    desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", HELD_FOR_MEMORY, held[1])]
+                    desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", HELD_FOR_MEMORY, held)]
 
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
         await self._write_status(body, memo, old_status, new_status, logger)
@@ -281,16 +289,15 @@ class Reconciler:
         pods = select_agent_pods(raw_pods, selector_labels(name), AGENT_HTTP_PORT)
         return pods, await fetch_all(pods, timeout=self.config.agent_http_timeout)
 
-    def _held_for_memory(self, namespace: str, name: str, cs: Any, pods: list[Any],
-                         answers: dict[str, Any]) -> tuple[dict[str, Any], str] | None:
-        """(live DaemonSet, why) when a model change must wait for memory (see `transition`), else None."""
-        assert self.api is not None
-        live = self.api.get_daemonset(namespace, daemonset_name(name))
-        old, new = daemonset_model(live), (model_dir(cs), cs.revision)
-        if live is None or old is None or old == new:
+    @staticmethod
+    def _held_for_memory(live_ds: dict[str, Any] | None, cs: Any, pods: list[Any],
+                         answers: dict[str, Any]) -> str | None:
+        """Why a model change must wait for memory (see `transition`), or None."""
+        old, new = daemonset_model(live_ds), (model_dir(cs), cs.revision)
+        if old is None or old == new:
             return None
         short = memory_shortfalls([node_entry(p, answers.get(p.name)) for p in pods if p.node is not None])
-        return (live, hold_message(old, new, short)) if short else None
+        return hold_message(old, new, short) if short else None
 
     def _agent_conditions(self, live_ds: dict[str, Any] | None, new_status: dict[str, Any], pods: list[Any],
                           answers: dict[str, Any], tp: int) -> list[Desired]:
