@@ -128,7 +128,7 @@ def fill(model: str, mode: str, monkeypatch, staging_bytes: int = SMALL_STAGING,
         buffer = mmap.mmap(-1, prepared.layout.size)
         fill_arena(memoryview(buffer), prepared.layout, prepared.plan, LoadProgress(), **args)
         return torch.frombuffer(buffer, dtype=torch.uint8).clone()
-    arena = new_cpu_arena(prepared, "test")
+    arena = new_cpu_arena(prepared.layout.size, prepared.spec, "test")
     try:
         view = arena.writable(populate=False)
         try:
@@ -224,7 +224,7 @@ def test_truncated_file_same_error(model, monkeypatch, quantization, tp_rank, in
         # planned first, cut after: a file that shrinks once its header was read, which only the read finds
         prepared = prepare_cache(spec)
         os.truncate(record.file, record.start + into)
-        arena = new_cpu_arena(prepared, "test")
+        arena = new_cpu_arena(prepared.layout.size, prepared.spec, "test")
         view = arena.writable(populate=False)
         try:
             with pytest.raises(CheckpointError) as e:
@@ -246,7 +246,7 @@ def test_arena_write_failure_same_error(model, monkeypatch, quantization):
     for mode in ("off", "on"):
         monkeypatch.setenv("WEIGHTCACHE_DIRECT_IO", mode)
         prepared = prepare_cache(CacheSpec(model, quantization=quantization))
-        arena = new_cpu_arena(prepared, "test")
+        arena = new_cpu_arena(prepared.layout.size, prepared.spec, "test")
         view = arena.writable(populate=False)
         soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
         resource.setrlimit(resource.RLIMIT_FSIZE, (prepared.layout.size // 2 + 1000, hard))

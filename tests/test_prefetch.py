@@ -31,7 +31,7 @@ def test_order_comes_from_the_index_and_foreign_names_are_dropped(tmp_path):
     assert shard_paths(str(tmp_path / "missing")) == []
 
 
-def test_reads_ahead_up_to_its_lead_then_stops_once_the_fill_catches_up(tmp_path):
+def test_reads_ahead_within_its_lead_to_the_last_file_then_ends(tmp_path):
     model = _shards(tmp_path, [3 * CHUNK, 2 * CHUNK])
     paths = shard_paths(model)
     for path in paths:  # cold, so the read-ahead really reads
@@ -54,10 +54,15 @@ def test_reads_ahead_up_to_its_lead_then_stops_once_the_fill_catches_up(tmp_path
         assert cached_share(fd, 0, 3 * CHUNK) > 0.9, "what was read ahead is not in the page cache"
     finally:
         os.close(fd)
-    done[0] = 3 * CHUNK  # caught up: the thread ends on its own
-    prefetch._thread.join(5)
-    assert not prefetch._thread.is_alive()
-    assert prefetch.read == 3 * CHUNK
+    done[0] = 3 * CHUNK  # caught up: the read-ahead keeps going, right ahead of the fill, to the end
+    prefetch._thread.join(10)
+    assert not prefetch._thread.is_alive(), "the read-ahead did not end after the last file"
+    assert prefetch.read == 5 * CHUNK
+    fd = os.open(paths[1], os.O_RDONLY)
+    try:
+        assert cached_share(fd, 0, 2 * CHUNK) > 0.9, "the last file was not read ahead"
+    finally:
+        os.close(fd)
 
 
 def test_a_fifo_in_place_of_a_shard_is_not_waited_on(tmp_path):

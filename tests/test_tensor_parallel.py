@@ -195,6 +195,11 @@ def arena_bytes(sock: str, spec: CacheSpec) -> torch.Tensor:
         conn.close()
 
 
+def torch_mapped(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
 def test_second_replica_is_copied_from_the_first(model, workdir):
     node = Node(model, os.path.join(workdir, "replicas"), "--replicas", "2", tp_size=1)
     try:
@@ -202,8 +207,12 @@ def test_second_replica_is_copied_from_the_first(model, workdir):
         first, second = status["ranks"]
         assert (first["filledFrom"], second["filledFrom"]) == ("disk", "peer")
         assert first["fingerprint"] == second["fingerprint"]
-        breakdown = agent_status(second["socket"])["load_breakdown"]
-        assert breakdown["peer_copy"] > 0
+        copied, loaded = agent_status(second["socket"]), agent_status(first["socket"])
+        assert copied["load_breakdown"]["peer_copy"] > 0
+        # The copy took its plan from the first replica's record: no header read, no torch in that process.
+        assert (loaded["planned_from"], copied["planned_from"]) == ("checkpoint", "peer")
+        assert torch_mapped(loaded["pid"]) and not torch_mapped(copied["pid"])
+        assert copied["layout_hash"] == loaded["layout_hash"]
         spec = CacheSpec(model=model)
         a, b = arena_bytes(first["socket"], spec), arena_bytes(second["socket"], spec)
         assert a.numel() > 0 and torch.equal(a, b)

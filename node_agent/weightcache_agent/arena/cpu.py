@@ -24,6 +24,12 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 if TYPE_CHECKING:  # imported where a mapping is made: the agent itself never needs torch for a memfd
     import torch
 
+    from ..spec import CacheSpec
+
+# Caps the memory an arena may take below what the kernel reports (an operator's budget;
+# tests use it to force the out-of-memory refusal). Bytes, or with a K/M/G suffix.
+MEMORY_LIMIT_ENV = "WEIGHTCACHE_MEMORY_LIMIT"
+
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
@@ -45,6 +51,37 @@ def available_memory() -> int:
     except OSError:
         pass
     return avail if avail is not None else 1 << 62
+
+
+def memory_budget() -> tuple[int, str]:
+    """Bytes an arena may take, and where that number comes from (for the error message)."""
+    avail, source = available_memory(), "available host memory (MemAvailable / cgroup)"
+    raw = os.environ.get(MEMORY_LIMIT_ENV)
+    if raw:
+        limit = _parse_bytes(raw)
+        if limit < avail:
+            avail, source = limit, f"{MEMORY_LIMIT_ENV}={raw}"
+    return avail, source
+
+
+def _parse_bytes(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
+    try:
+        return int(float(text.rstrip("KMGT")) * mult)
+    except ValueError:
+        raise ValueError(f"{MEMORY_LIMIT_ENV}={text!r} is not a byte count") from None
+
+
+def new_cpu_arena(size: int, spec: "CacheSpec", name: str = "weightcache") -> "CpuArena":
+    """A memfd arena of `size` bytes for `spec`, refused with the numbers before allocating when memory is short."""
+    budget, source = memory_budget()
+    if size > budget:
+        raise OutOfMemory(
+            f"{spec.model}: the arena for tp_rank {spec.tp_rank}/{spec.tp_size} needs {size} bytes "
+            f"({size / 2**30:.2f} GiB) but {source} allows {budget} bytes ({budget / 2**30:.2f} GiB)"
+        )
+    return CpuArena(size, name=name, reserve=False)  # pages allocated by the fill's writes, as it reads
 
 
 class CpuArena:
@@ -112,6 +149,17 @@ class CpuArena:
             flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
             self._mapping = mmap.mmap(self.fd, self.size, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         return memoryview(self._mapping)
+
+    def copy_from(self, fd: int, nbytes: int) -> None:
+        """Fill the first `nbytes` from another arena's memfd `fd` (a replica's): one memory copy, no torch."""
+        if os.fstat(fd).st_size < nbytes:
+            raise OSError(f"the source arena holds {os.fstat(fd).st_size} bytes, fewer than {nbytes}")
+        source = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        try:
+            with memoryview(source) as src, self.writable(populate=True) as dest:
+                dest[:nbytes] = src
+        finally:
+            source.close()
 
     def seal(self) -> None:
         """Drop the writable mapping and forbid every future write to the memfd."""

@@ -258,6 +258,18 @@ class CudaArena:
             self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
         return self._writer.tensor()
 
+    def copy_from(self, source: "PeerView", nbytes: int) -> None:
+        """Fill the first `nbytes` from another GPU's arena mapped for this device (`PeerView`):
+        one device-to-device copy over the GPUs' link, through the driver alone (no torch)."""
+        cu = _driver()
+        _activate(self.ordinal)
+        writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
+        try:
+            _call(cu.cuMemcpy(writer.ptr, source.ptr, nbytes), "cuMemcpy (peer copy)")
+            _call(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+        finally:
+            writer.release()
+
     def seal(self) -> None:
         """Finish pending copies and drop the agent's writable mapping."""
         if self._writer is not None:  # only a filled arena has one, and only a fill imported torch
@@ -310,14 +322,3 @@ class PeerView(_Mapping):
         handle = _call(cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
         super().__init__(handle, size, owner, writable=False, owns_handle=True, readers=readers)
-
-    def copy_into(self, dest: "torch.Tensor") -> None:
-        """Copy the first `dest.numel()` bytes into `dest` (a uint8 tensor on any device), then wait."""
-        import torch  # this module imports torch only where a call needs it (agents start without it)
-
-        cu = _driver()
-        torch.cuda.set_device(dest.device)
-        stream = torch.cuda.current_stream(dest.device)
-        _call(cu.cuMemcpyAsync(cu.CUdeviceptr(dest.data_ptr()), cu.CUdeviceptr(int(self.ptr)), dest.numel(),
-                               cu.CUstream(stream.cuda_stream)), "cuMemcpyAsync (peer copy)")
-        stream.synchronize()

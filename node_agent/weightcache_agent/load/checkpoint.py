@@ -9,11 +9,9 @@ single byte of weights is read.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,11 +19,9 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .signature import file_signature  # noqa: F401 (also imported from here by engines and tests)
-
-INDEX_FILE = "model.safetensors.index.json"
-# safetensors' own cap on the JSON header: a larger length is corruption, not a model.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# also imported from here by engines and tests
+from .signature import (INDEX_FILE, MAX_HEADER_BYTES, _identity, _shard_files, content_identity,  # noqa: F401
+                        file_signature, open_regular)
 
 # safetensors dtype code -> torch dtype
 DTYPES: dict[str, torch.dtype] = {
@@ -99,22 +95,6 @@ class Checkpoint:
         return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
-def open_regular(path: str) -> Any:
-    """`path` opened for binary reading, or `CheckpointError` when it is not a regular file.
-
-    Opened non-blocking first: a FIFO or device in place of a shard is refused at once
-    instead of hanging the load on its first read.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{path}: not a regular file")
-        os.set_blocking(fd, True)
-    except BaseException:
-        os.close(fd)
-        raise
-    return os.fdopen(fd, "rb")
-
 
 def read_header(path: str) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
     """Parse and check one safetensors file's header; return (raw header, records, metadata)."""
@@ -184,52 +164,7 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
     return TensorRecord(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
-def _shard_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
-    """The checkpoint's safetensors files (sorted names) and, when sharded, the index's weight map."""
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"{directory}: model directory does not exist")
-    index_path = os.path.join(directory, INDEX_FILE)
-    if os.path.exists(index_path):
-        expected = _read_index(index_path)
-        files = sorted(set(expected.values()))
-        for fname in files:
-            if not os.path.isfile(os.path.join(directory, fname)):
-                raise CheckpointError(f"{index_path}: names shard {fname!r}, which is missing from {directory}")
-        return files, expected
-    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
-    return files, None
 
-
-def _identity(directory: str, headers: list[tuple[str, int, bytes]]) -> str:
-    """Hash of (name, size, raw header) of every shard plus config.json: what decides the bytes served."""
-    digest = hashlib.sha256()
-    for fname, size, raw in headers:
-        digest.update(f"{fname}\0{size}\0{len(raw)}\0".encode())
-        digest.update(raw)
-    try:
-        with open_regular(os.path.join(directory, "config.json")) as f:
-            digest.update(b"config.json\0" + f.read())
-    except FileNotFoundError:
-        pass
-    return digest.hexdigest()[:16]
-
-
-def content_identity(directory: str) -> str:
-    """`Checkpoint.revision` without parsing or checking headers: cheap enough for every engine start."""
-    directory = os.path.abspath(directory)
-    files, _ = _shard_files(directory)
-    headers = []
-    for fname in files:
-        path = os.path.join(directory, fname)
-        try:
-            with open_regular(path) as f:
-                (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
-                headers.append((fname, os.fstat(f.fileno()).st_size, f.read(min(length, MAX_HEADER_BYTES))))
-        except OSError as e:
-            raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
-    return _identity(directory, headers)
 
 
 def open_checkpoint(directory: str) -> Checkpoint:
@@ -267,17 +202,6 @@ def open_checkpoint(directory: str) -> Checkpoint:
         metadata=metadata,
     )
 
-
-def _read_index(index_path: str) -> dict[str, str]:
-    try:
-        with open_regular(index_path) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index_path}: cannot read index: {e}") from None
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(f"{index_path}: no 'weight_map' object of tensor name -> shard file")
-    return weight_map
 
 
 def _read_config(directory: str) -> dict[str, Any] | None:

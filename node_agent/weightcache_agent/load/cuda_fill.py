@@ -1,11 +1,12 @@
 """The cold path into GPU memory: disk -> pinned staging -> async H2D -> (quantize) -> arena.
 
-The plan, the shard segments and the reader are the cpu pipeline's (pipeline.py); only
-the sink differs. The calling thread reads each piece of a shard into one of a few
-pinned host buffers and queues its copy (and cast or FP8 quantization) on a CUDA
-stream, then moves on to read the next piece while the GPU works: the disk never waits
-for the GPU, and a buffer is reused only after the event recorded behind its copy has
-fired. Quantization runs on the GPU, vectorised over whole pieces, and produces the same
+The jobs, the shard segments and the readers are the cpu pipeline's (pipeline.py: jobs in
+file order, O_DIRECT for cold bytes, buffered for bytes the page cache holds); only the
+sink differs. A few reader threads (`default_readers`) each take the next job, read it
+into one of their two pinned host buffers and queue its copy (and cast or FP8
+quantization) on their own CUDA stream, then take the next job while the GPU works: a
+request is always in flight, so the disk never waits for a reader's copy or for the
+GPU, and a buffer is reused only after the event recorded behind its copy has fired. Quantization runs on the GPU, vectorised over whole pieces, and produces the same
 bytes as the cpu path (power-of-two scales make every step exact but the final e4m3
 rounding, which both devices do the same way). Non-finite weights are flagged on the
 device and reported, by tensor name, after one synchronisation at the end.
@@ -13,6 +14,7 @@ device and reported, by tensor name, after one synchronisation at the end.
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,12 +23,13 @@ from . import fp8
 from ..errors import CheckpointError
 from .layout import ArenaLayout
 from .plan import LoadProgress, PlannedTensor
-from .pipeline import STAGING_BYTES, _Reader, _rows, _rows_per_piece
+from .pipeline import (ALIGN, STAGING_BYTES, _Files, _Job, _JobFeed, _LockedProgress, _Reader, _rows, _up,
+                       default_readers, direct_io_mode)
 
 if TYPE_CHECKING:
     from ..arena.cuda import CudaArena
 
-STAGING_BUFFERS = 4
+BUFFERS_PER_READER = 2
 
 
 def quantize_blocks(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -52,70 +55,113 @@ def quantize_blocks(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -
 
 
 def _pinned(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """A page-aligned pinned host buffer (O_DIRECT reads land in it), as a tensor and a memoryview."""
+    whole = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
+    skip = -whole.data_ptr() % ALIGN
+    buf = whole[skip : skip + nbytes]
     return buf, memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
 
 
 def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
-                    staging_bytes: int = STAGING_BYTES) -> None:
+                    staging_bytes: int = STAGING_BYTES, readers: int | None = None, direct_io: str | None = None) -> None:
+    """Read and transform every planned tensor into its slot of the device arena (module docstring).
+
+    `direct_io`: auto, on or off; None: as `WEIGHTCACHE_DIRECT_IO` says (`direct_io_mode`)."""
     device = torch.device("cuda", arena.ordinal)
     dest = arena.device_tensor()
     slots = {slot.name: slot for slot in layout.slots}
-    stream = torch.cuda.Stream(device)
-    staging = [_pinned(staging_bytes) for _ in range(STAGING_BUFFERS)]
-    events: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+    files = _Files(direct_io or direct_io_mode())
+    progress_ = _LockedProgress(progress)
+    # Each pinned buffer takes exactly `staging_bytes` (torch's pinned allocator rounds a request up
+    # to a power of two): an O_DIRECT read's aligned superset of a job, from any file offset, plus
+    # the slack that aligns the buffer itself.
+    pooled = staging_bytes - ALIGN
+    job_bytes = staging_bytes - 2 * ALIGN
+    feed = _JobFeed(plan, slots, job_bytes, progress_)
     flags: list[tuple[str, torch.Tensor]] = []
-    reader = _Reader(progress)
-    turn = 0
+    errors: list[BaseException] = []
+
+    def read_loop() -> None:
+        reader = _Reader(progress_, files, pooled)
+        stream = None
+        events: list[torch.cuda.Event | None] = [None] * BUFFERS_PER_READER
+        turn = 0
+        try:
+            torch.cuda.set_device(device)  # the current device is per thread
+            stream = torch.cuda.Stream(device)
+            buffers = [_pinned(pooled) for _ in range(BUFFERS_PER_READER)]
+            while not errors:
+                job = feed.next()
+                if job is None:
+                    break
+                row_bytes = _rows(job.item)[0] if job.piece else 1
+                lo, hi = job.lo * row_bytes, job.hi * row_bytes
+                if hi > lo:
+                    if hi - lo <= job_bytes:
+                        k, turn = turn, (turn + 1) % BUFFERS_PER_READER
+                        if events[k] is not None:
+                            events[k].synchronize()  # its previous copy has left the buffer
+                        host, view = buffers[k]
+                    else:  # one 128-row block wider than a staging buffer: a one-off buffer
+                        k = None
+                        host, view = _pinned(_up(hi - lo) + ALIGN)
+                    direct = reader.direct(job.item, job.segments, lo, hi)
+                    if direct is None:
+                        reader.read(job.item, job.segments, lo, hi, view[: hi - lo])
+                        skip = 0
+                    else:
+                        skip = reader.read_direct(direct, job.item, job.segments, lo, hi, view)
+                    with torch.cuda.stream(stream):
+                        bad = _sink(job, host[skip : skip + hi - lo], dest, slots, row_bytes, device)
+                        if bad is not None:
+                            flags.append((job.item.name, bad))
+                        event = torch.cuda.Event()
+                        event.record(stream)
+                    if k is not None:
+                        events[k] = event
+                    else:
+                        event.synchronize()
+                feed.finish(job.item)
+            stream.synchronize()
+        except BaseException as e:  # the other readers see it and stop; re-raised below
+            errors.append(e)
+            if stream is not None:
+                stream.synchronize()  # nothing of ours may still be copying out of a buffer we drop
+        finally:
+            reader.close()
+
+    threads = [threading.Thread(target=read_loop, name=f"cuda-fill-{k}", daemon=True)
+               for k in range(max(1, readers or default_readers()))]
     try:
-        for item in plan:
-            if item.source is None:  # scales: written by the quantization of their weight
-                continue
-            segments = item.shard.segments()
-            row_bytes, rows = _rows(item)
-            block = fp8.BLOCK if item.transform == "fp8" else 1
-            step = _rows_per_piece(row_bytes, rows, staging_bytes, block)
-            for r0 in range(0, max(rows, 1), step):
-                r1 = min(rows, r0 + step)
-                need = (r1 - r0) * row_bytes if item.shard.nbytes else 0
-                if need == 0:
-                    continue
-                if need <= staging_bytes:
-                    k, turn = turn, (turn + 1) % STAGING_BUFFERS
-                    if events[k] is not None:
-                        events[k].synchronize()  # its previous copy has left the buffer
-                    host, view = staging[k]
-                else:  # one 128-row block wider than a staging buffer: a one-off buffer
-                    k = None
-                    host, view = _pinned(need)
-                reader.read(item, segments, r0 * row_bytes, r1 * row_bytes, view[:need])
-                with torch.cuda.stream(stream):
-                    bad = _sink(item, host[:need], dest, slots, r0, r1, row_bytes, device)
-                    if bad is not None:
-                        flags.append((item.name, bad))
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                if k is not None:
-                    events[k] = event
-                else:
-                    event.synchronize()
-            progress.advance(0, tensors=1)
-        stream.synchronize()
+        for t in threads:
+            t.start()
+    except BaseException as e:
+        errors.append(e)
     finally:
-        reader.close()
+        for t in threads:
+            if t.ident is not None:
+                t.join()
+        files.close()
+    if errors:
+        raise errors[0]
     for name, bad in flags:
         if bool(bad):
             raise CheckpointError(f"tensor {name!r}: non-finite values; cannot quantize")
 
 
-def _sink(item: "PlannedTensor", host: torch.Tensor, dest: torch.Tensor, slots: dict, r0: int, r1: int,
-          row_bytes: int, device: torch.device) -> torch.Tensor | None:
-    """Queue the copy (and transform) of rows [r0, r1) of `item` from pinned `host` into the arena."""
+def _sink(job: "_Job", host: torch.Tensor, dest: torch.Tensor, slots: dict, row_bytes: int,
+          device: torch.device) -> torch.Tensor | None:
+    """Queue the copy (and transform) of `job`'s bytes, in pinned `host`, into the arena.
+
+    A plain job is shard bytes [lo, hi) (`row_bytes` 1); a piece is rows [lo, hi).
+    """
+    item = job.item
     slot = slots[item.name]
     if item.transform == "read":
-        lo = slot.offset + r0 * row_bytes
+        lo = slot.offset + job.lo * row_bytes
         dest[lo : lo + host.numel()].copy_(host, non_blocking=True)
         return None
+    r0, r1 = job.lo, job.hi
     src_item = item.source.dtype.itemsize
     out_row = row_bytes // src_item * item.dtype.itemsize
     n = r1 - r0

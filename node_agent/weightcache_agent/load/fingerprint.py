@@ -123,7 +123,7 @@ def engine_request(spec: CacheSpec, with_revision: bool = False) -> dict[str, An
     `with_revision` (the content identity of the headers, ~1 ms for 16 shards).
     Neither carries the model's path: the same files mounted elsewhere are the same model.
     """
-    from .checkpoint import content_identity, file_signature
+    from .signature import content_identity, file_signature
 
     request = {"spec": spec.to_json(), "files": file_signature(spec.model), "torch": environment_fields(None)["torch"]}
     if spec.sharding is not None and not is_preset(spec.sharding):

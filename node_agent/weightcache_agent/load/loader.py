@@ -20,8 +20,8 @@ import torch
 
 from . import fp8
 from .checkpoint import Checkpoint, TensorRecord, dtype_from_name, open_checkpoint
-from ..arena.cpu import CpuArena, available_memory
-from ..errors import CheckpointError, OutOfMemory, UnsupportedQuantization
+from ..arena.cpu import CpuArena, new_cpu_arena
+from ..errors import CheckpointError, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import ArenaLayout, lay_out
 from .pipeline import fill_arena
@@ -33,11 +33,6 @@ from .sharding import (SCALE_SUFFIX, Shard, ShardingPlan, check_heads, config_pa
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
-
-# Caps the memory an arena may take below what the kernel reports (an operator's budget;
-# tests use it to force the out-of-memory refusal). Bytes, or with a K/M/G suffix.
-MEMORY_LIMIT_ENV = "WEIGHTCACHE_MEMORY_LIMIT"
-
 
 @dataclass
 class LoadedCache:
@@ -138,26 +133,6 @@ def _check_vocab(checkpoint: Checkpoint) -> None:
                                   f"{config_path(checkpoint)} says vocab_size {vocab}")
 
 
-def memory_budget() -> tuple[int, str]:
-    """Bytes an arena may take, and where that number comes from (for the error message)."""
-    avail, source = available_memory(), "available host memory (MemAvailable / cgroup)"
-    raw = os.environ.get(MEMORY_LIMIT_ENV)
-    if raw:
-        limit = _parse_bytes(raw)
-        if limit < avail:
-            avail, source = limit, f"{MEMORY_LIMIT_ENV}={raw}"
-    return avail, source
-
-
-def _parse_bytes(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(text[-1:], 1)
-    try:
-        return int(float(text.rstrip("KMGT")) * mult)
-    except ValueError:
-        raise ValueError(f"{MEMORY_LIMIT_ENV}={text!r} is not a byte count") from None
-
-
 @dataclass
 class PreparedCache:
     """Everything known about a cache before its data is read: from headers and config alone."""
@@ -180,8 +155,11 @@ def prepare_cache(spec: CacheSpec, device: str = "cpu") -> PreparedCache:
 
 
 def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | None = None, show_bar: bool = False,
-               started: float | None = None) -> LoadedCache:
-    """Read the checkpoint into `arena` (cpu or cuda) and seal it. Closes the arena on failure."""
+               started: float | None = None, direct_io: str | None = None) -> LoadedCache:
+    """Read the checkpoint into `arena` (cpu or cuda) and seal it. Closes the arena on failure.
+
+    `direct_io`: auto, on or off (`pipeline.direct_io_mode`); None: as `WEIGHTCACHE_DIRECT_IO` says.
+    """
     t0 = time.monotonic() if started is None else started
     plan, layout, checkpoint, spec = prepared.plan, prepared.layout, prepared.checkpoint, prepared.spec
     progress = progress or LoadProgress()
@@ -197,7 +175,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             from .cuda_fill import fill_cuda_arena
 
             try:
-                fill_cuda_arena(arena, layout, plan, progress)
+                fill_cuda_arena(arena, layout, plan, progress, direct_io=direct_io)
             finally:
                 progress.finish()
         else:
@@ -208,7 +186,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             buffer = arena.writable(populate=upfront)
             try:
                 fill_arena(buffer, layout, plan, progress, reserve=None if upfront else arena.reserve,
-                           fd=getattr(arena, "fd", None))
+                           fd=getattr(arena, "fd", None), direct_io=direct_io)
             finally:
                 buffer.release()
                 progress.finish()
@@ -236,20 +214,8 @@ def loaded_from(prepared: PreparedCache, arena: Any, seconds: float) -> LoadedCa
                        prepared.fingerprint, seconds)
 
 
-def new_cpu_arena(prepared: PreparedCache, name: str = "weightcache") -> CpuArena:
-    """A memfd arena for `prepared`, refused with the numbers before allocating when memory is short."""
-    size, spec = prepared.layout.size, prepared.spec
-    budget, source = memory_budget()
-    if size > budget:
-        raise OutOfMemory(
-            f"{prepared.checkpoint.directory}: the arena for tp_rank {spec.tp_rank}/{spec.tp_size} needs {size} bytes "
-            f"({size / 2**30:.2f} GiB) but {source} allows {budget} bytes ({budget / 2**30:.2f} GiB)"
-        )
-    return CpuArena(size, name=name, reserve=False)  # pages allocated by fill_cache's writes, as it reads
-
-
 def load_cache(spec: CacheSpec, progress: LoadProgress | None = None, show_bar: bool = False, name: str = "weightcache") -> LoadedCache:
     """Run the whole cold path for `spec` on the cpu backend and return a sealed arena with its layout."""
     t0 = time.monotonic()
     prepared = prepare_cache(spec)
-    return fill_cache(prepared, new_cpu_arena(prepared, name), progress, show_bar, started=t0)
+    return fill_cache(prepared, new_cpu_arena(prepared.layout.size, spec, name), progress, show_bar, started=t0)

@@ -72,13 +72,12 @@ buffer (workers copy direct reads into it) and workers write through it, with
 the writers (`_Reservations`).
 
 Only the segments of this rank's shard are read (see `sharding.Shard.segments`).
-The GPU path (cuda_fill.py) uses `_Reader.read` (buffered), `_rows`, `_rows_per_piece`
-and `STAGING_BYTES` from here with one reader thread of its own.
+The GPU path (cuda_fill.py) takes the same jobs (`_JobFeed`) with the same readers and
+descriptors (`_Reader`, `_Files`, direct or buffered as here); only the sink differs.
 """
 from __future__ import annotations
 
 import bisect
-import ctypes
 import errno
 import logging
 import mmap
@@ -203,6 +202,32 @@ class _Job:
     piece: bool
     end: int  # arena bytes below this must be reserved before the job's bytes are written
     count: int  # jobs of this tensor (to count it done when its last one is)
+
+
+class _JobFeed:
+    """The plan's jobs (`_jobs`), handed to reader threads one at a time in file order, and each
+    tensor counted done on `progress` when the last of its jobs is finished."""
+
+    def __init__(self, plan: list["PlannedTensor"], slots: dict[str, TensorSlot], staging_bytes: int,
+                 progress: _LockedProgress):
+        self.jobs = _jobs(plan, slots, staging_bytes)
+        self.progress = progress
+        self.remaining: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def next(self) -> _Job | None:
+        with self.lock:  # the generator is walked by one thread at a time
+            job = next(self.jobs, None)
+            if job is not None and job.lo == 0:
+                self.remaining[job.item.name] = job.count
+            return job
+
+    def finish(self, item: "PlannedTensor") -> None:
+        with self.lock:
+            self.remaining[item.name] -= 1
+            last = self.remaining[item.name] == 0
+        if last:
+            self.progress.advance(0, tensors=1)
 
 
 def direct_io_mode() -> str:
@@ -505,7 +530,7 @@ def _own_fd(fd: int) -> int:
 
 def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
                workers: int | None = None, staging_bytes: int = STAGING_BYTES, reserve: Any = None,
-               fd: int | None = None, readers: int | None = None) -> None:
+               fd: int | None = None, readers: int | None = None, direct_io: str | None = None) -> None:
     """Read and transform every planned tensor into its slot of the arena.
 
     `fd`: the arena's memfd (writable); when given, bytes go in with sendfile / pwrite and
@@ -513,12 +538,12 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     writes allocate the pages. Without it, `buffer` (a writable view of the whole arena)
     is written directly, and `reserve(offset, length)`, when given, allocates its pages on
     a thread ahead of the writers. `readers`: reader threads (default `default_readers()`).
-    Reads are direct or buffered as `direct_io_mode()` says.
+    Reads are direct or buffered as `direct_io` (auto, on, off) or else `direct_io_mode()` says.
     """
     slots = {slot.name: slot for slot in layout.slots}
     workers = workers or default_workers()
     readers = max(1, readers or default_readers())
-    files = _Files(direct_io_mode())
+    files = _Files(direct_io or direct_io_mode())
     if fd is not None:
         try:
             os.close(_own_fd(fd))
@@ -535,25 +560,9 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
         pool.put(mmap.mmap(-1, pooled))
     work: queue.Queue = queue.Queue()
     errors: list[BaseException] = []
-    remaining: dict[str, int] = {}
-    lock = threading.Lock()
     reserved = _Reservations(reserve, layout.size)
-    jobs = _jobs(plan, slots, staging_bytes)
+    feed = _JobFeed(plan, slots, staging_bytes, progress_)
     all_readers: list[_Reader] = []  # for the count of bytes read each way
-
-    def finish(item: "PlannedTensor") -> None:
-        with lock:
-            remaining[item.name] -= 1
-            last = remaining[item.name] == 0
-        if last:
-            progress_.advance(0, tensors=1)
-
-    def next_job() -> _Job | None:
-        with lock:  # the generator is walked by one thread at a time: jobs go out in file order
-            job = next(jobs, None)
-            if job is not None and job.lo == 0:
-                remaining[job.item.name] = job.count
-            return job
 
     def read_loop() -> None:
         reader = _Reader(progress_, files, pooled)
@@ -561,7 +570,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
         out_fd = _own_fd(fd) if fd is not None else None
         try:
             while not errors:
-                job = next_job()
+                job = feed.next()
                 if job is None:
                     return
                 reserved.wait(job.end)
@@ -573,7 +582,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                         reader.send(job.item, job.segments, lo, hi, out_fd, job.slot.offset + lo)
                     else:
                         reader.read(job.item, job.segments, lo, hi, buffer[job.slot.offset + lo : job.slot.offset + hi])
-                    finish(job.item)
+                    feed.finish(job.item)
                     continue
                 staging = pool.get() if hi - lo <= staging_bytes else mmap.mmap(-1, _up(hi - lo) + ALIGN)
                 try:
@@ -611,7 +620,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                         _store(piece, buffer, slots, fd)
                     else:
                         _transform(piece, buffer, slots, fd, scratch)
-                    finish(piece.item)
+                    feed.finish(piece.item)
             except BaseException as e:  # handed to the readers, which stop; re-raised below
                 errors.append(e)
             finally:

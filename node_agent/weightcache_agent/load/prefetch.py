@@ -1,13 +1,17 @@
-"""Read a checkpoint's first bytes while the process is still starting up, so the disk never idles.
+"""Read a checkpoint's files into the page cache from process start, ahead of the fill, so the disk never idles.
 
 An agent's cold load cannot fill before it has torch, a CUDA context and a plan (seconds on
 a GPU host, mostly the import of torch), but the disk can already work: `Prefetch` reads the
-shard files in the order the fill will read them (file order, sequentially) into the page
-cache, from the moment the agent starts. The fill then finds those bytes cached and catches
-up at memory speed (bytes cached already are skipped, not copied), and the prefetcher stops as soon as it has (from there the fill keeps
-the disk busy itself) or once it would run more than `lead` bytes ahead of the fill (the
-page cache is not the arena: the lead bounds what is held twice). Needs no torch and no
-parsed header: the file list comes from the index or the directory, as `checkpoint` makes it.
+shard files in the order the fill will read them (file order, one sequential stream, the
+way a plain `cat` reads them) into the page cache, from the moment the agent starts, and
+keeps reading until the last file is in, at most `lead` bytes ahead of the fill (the page
+cache is not the arena: the lead bounds what is held twice). The fill reads the same pages
+buffered (the agent turns O_DIRECT off while a prefetch runs, or the disk would read
+every byte twice): first at memory speed, until it catches up, and from then on right
+behind the prefetch, finding each page cached or already under way. So a cold load runs
+at the rate of one sequential buffered read, however the fill's own readers would fare on
+this disk. Bytes cached already are skipped, not copied. Needs no torch and no parsed
+header: the file list comes from the index or the directory, as `checkpoint` makes it.
 """
 from __future__ import annotations
 
@@ -80,11 +84,8 @@ class Prefetch:
                     os.set_blocking(fd, True)
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                     size, position = os.fstat(fd).st_size, 0
-                    while not self._stop.is_set():
-                        done = self.done()
-                        if done > 0 and done >= self.read:  # the fill caught up: it reads the disk itself now
-                            return
-                        if self.read - done >= self.lead:
+                    while not self._stop.is_set() and position < size:
+                        if self.read - self.done() >= self.lead:
                             self._stop.wait(0.05)
                             continue
                         if cached_share(fd, position, CHUNK) >= 0.99:  # cached already: copying would only cost CPU

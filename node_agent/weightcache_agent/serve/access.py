@@ -10,8 +10,9 @@ maps the weights. So the agent decides that itself instead of inheriting it from
   socket group as its group;
 - every accepted peer's credentials (SO_PEERCRED, SO_PEERGROUPS) are checked again against
   the same policy: root, the agent's own uid, or a member of the socket group;
-- the state file is written with `O_NOFOLLOW | O_EXCL`, 0600, fsynced and renamed into
-  place, and read back only when it is a regular file the agent owns that nobody else can
+- the state file is written with `O_NOFOLLOW | O_EXCL`, 0600, and renamed into place
+  (atomic against a crash of the agent, which is all it must survive: the arenas it
+  describes die with the machine, so it is not fsynced), and read back only when it is a regular file the agent owns that nobody else can
   read or write.
 
 `SocketPolicy.from_group` resolves the configured group (a name or a number); None means
@@ -171,7 +172,12 @@ def bind_socket(path: str, policy: SocketPolicy, backlog: int = 128) -> socket.s
 
 
 def write_private(path: str, doc: Any) -> None:
-    """Write JSON to `path` durably, readable by the agent alone; links at the temporary name are not followed."""
+    """Replace `path` atomically with JSON readable by the agent alone; links at the temporary name are not followed.
+
+    Atomic for every reader and against the death of this process (write, then rename);
+    not fsynced: what it records (leases on GPU or memfd memory, a plan of this boot's
+    files) means nothing after the machine restarts, and an fsync would put a disk flush
+    (about a millisecond) into every attach."""
     tmp = path + ".tmp"
     try:
         os.unlink(tmp)  # a leftover, or a link someone planted: unlink removes the link, never its target
@@ -183,18 +189,12 @@ def write_private(path: str, doc: Any) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
         raise
     os.close(fd)
     os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(dir_fd)  # the rename itself durable
-    finally:
-        os.close(dir_fd)
 
 
 def _read_all(fd: int, size: int) -> bytes:

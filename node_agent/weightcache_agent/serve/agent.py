@@ -14,7 +14,7 @@ request deadline; nobody else notices.
 
 Re-adoption is where a client could otherwise hand the agent bytes of its own, so it takes
 proof. Each lease gets a random token in its manifest reply; the agent records the token's
-hash with the peer's uid and pid in its state file (0600, written durably before the
+hash with the peer's uid and pid in its state file (0600, written before the
 manifest goes out). A restarted agent reads that file once, and adopts an arena only from
 a peer that presents a recorded token with matching credentials, offering exactly one fd
 of exactly the layout's size. Anyone else's rejoin is refused without saying why.
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
 from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
-from ..arena.cpu import CpuArena, available_memory
+from ..arena.cpu import CpuArena, available_memory, new_cpu_arena
 from ..arena.devices import Device
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
@@ -51,6 +51,7 @@ from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, c
 from .prepared_record import RecordedCache, read_record, write_record
 
 if TYPE_CHECKING:  # the loader imports torch: only a load from disk needs it (see `load`)
+    from ..load.peer_copy import PeerArena
     from ..load.loader import LoadedCache, PreparedCache
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class Agent:
         self.spec = spec
         self.peer = peer  # another replica's socket for this rank: copy its arena instead of reading the disk
         self.filled_from = "disk"
+        self.planned_from = "checkpoint"  # or "record" (a predecessor's), "peer" (another replica's record)
         # Called (on the thread that promoted) right after a standby is told it is primary:
         # the node-side label write that makes the cluster follow.
         self.on_promote = on_promote
@@ -115,7 +117,7 @@ class Agent:
         self.max_pending = max_pending
         self._pending: dict[int, socket.socket] = {}  # connection id -> socket, oldest first
         # Its own lock: the accept loop must never wait behind `_lock`, which attaches hold across
-        # a durable state write (a status request would queue behind every attach in flight).
+        # a state-file write (a status request would queue behind every attach in flight).
         self._pending_lock = threading.Lock()
         self._previous: dict[str, Any] | None = None  # the predecessor's state file, read once at bind
         self._claimed: set[str] = set()  # token hashes of the predecessor's leases already rejoined
@@ -142,7 +144,7 @@ class Agent:
         self.attach_seconds: list[float] = []  # bounded sample, newest last
         self.attaches = 0
         self.misses = 0  # attaches refused because this cache cannot serve what was asked (fingerprint, failed load)
-        self.prefetched = 0  # checkpoint bytes read ahead of the fill while the process started up
+        self.prefetched = 0  # checkpoint bytes read into the page cache ahead of the fill (load/prefetch.py)
         self._ready = threading.Event()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
@@ -193,21 +195,30 @@ class Agent:
         """
         self.phase = "preparing"
         prefetch = None
-        if self.spec.tp_size == 1 and not (
-                self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases")):
+        adopting = self.adopt_wait > 0 and isinstance(self._previous, dict) and bool(self._previous.get("leases"))
+        if self.spec.tp_size == 1 and not adopting and not self.peer:
             # A load from disk is coming: keep the disk busy while torch, CUDA and the plan start up.
             # (One rank reads every byte; a tensor-parallel rank reads only its shards, so whole files would waste the disk.)
             paths = shard_paths(os.path.abspath(self.spec.model))
             prefetch = Prefetch(paths, lambda: self.progress.bytes_done, lead_for(paths, self.device.backend == "cpu"))
+        peer = None
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark()
             t0 = time.monotonic()
             recorded = None
-            if self.adopt_wait > 0 and isinstance(self._previous, dict) and self._previous.get("leases"):
+            if adopting:
                 recorded = read_record(self._record_path, self.spec, device_mark)
+                self.planned_from = "record" if recorded else "checkpoint"
+            elif self.peer:
+                # Another replica loads these very bytes: wait for it, then plan from its record.
+                self.phase = "loading"
+                peer = self._open_peer()
+                if peer is not None:
+                    recorded = read_record(sidecar_path(self.peer, "prepared"), self.spec, device_mark)
+                self.planned_from = "peer" if recorded else "checkpoint"
             self.prepared = recorded or _prepare(self.spec, device_mark)
-            self.timings["prepare"] = time.monotonic() - t0
+            self.timings["prepare"] = time.monotonic() - t0 - (peer.wait_seconds if peer else 0.0)
             self._adoptable = self.adopt_wait > 0 and bool(self._previous_leases())
             self._prepared.set()
             if self._adoptable:
@@ -228,29 +239,35 @@ class Agent:
                     log.info("re-adopted the arena from an engine in %.1fms; nothing read from disk",
                              self.cache.load_seconds * 1e3)
             if self.cache is None and self.peer:
-                self.cache = self._fill_from_peer(t0)
+                peer = peer or self._open_peer()
+                if peer is not None:
+                    self.cache = self._fill_from_peer(peer, t0)
             if self.cache is None:
                 from ..load.loader import fill_cache
 
-                if recorded is not None:  # nobody handed the arena back: plan from the checkpoint after all
+                if recorded is not None:  # no arena handed back or copied: plan from the checkpoint after all
                     self.prepared = _prepare(self.spec, device_mark)
+                    self.planned_from = "checkpoint"
                 self.phase = "loading"
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
-                self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0)
+                # Behind a prefetch, buffered: its pages are the fill's (prefetch.py); O_DIRECT would read them again.
+                self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0,
+                                        direct_io="off" if prefetch is not None else None)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
                 recorded = None
         except BaseException as e:
-            if prefetch is not None:
-                prefetch.stop()
             self.phase, self.error = "failed", str(e)
             self._prepared.set()
             self._ready.set()  # wake waiting attaches so they get the error
             raise
-        if prefetch is not None:
-            prefetch.stop()
-            self.prefetched = prefetch.read
+        finally:
+            if prefetch is not None:
+                prefetch.stop()
+                self.prefetched = prefetch.read
+            if peer is not None:
+                peer.close()
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
         if self.leases():  # engines that rejoined during the load hold the arena too
@@ -259,26 +276,35 @@ class Agent:
                     self._write_state()
                 except OSError as e:
                     log.warning("cannot record the engines that rejoined in %s: %s", self._state_path, e)
-        self.phase = "ready"
-        self._ready.set()
-        if recorded is None:  # planned from the checkpoint: what a successor may serve from (after ready: off the clock)
+        if recorded is None or self.planned_from == "peer":
+            # What a successor or another replica may plan from. Before ready: a replica waiting
+            # on this agent reads it as soon as its attach is answered.
             try:
                 write_record(self._record_path, self.prepared)
             except OSError as e:  # a restart then plans from the checkpoint: slower, not wrong
                 log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
+        self.phase = "ready"
+        self._ready.set()
 
-    def _fill_from_peer(self, t0: float) -> LoadedCache | None:
+    def _open_peer(self) -> "PeerArena | None":
+        """The other replica's arena, once its load is done; None (logged): read the disk instead."""
+        from ..load.peer_copy import PeerArena
+
+        try:
+            return PeerArena(self.peer, self.spec)
+        except (WeightCacheError, OSError) as e:
+            log.warning("no arena to copy from the replica at %s (%s); reading the checkpoint instead", self.peer, e)
+            return None
+
+    def _fill_from_peer(self, peer: "PeerArena", t0: float) -> Any:
         """This rank's arena copied from another replica's (load/peer_copy), or None: read the disk."""
-        from ..load.loader import loaded_from
-        from ..load.peer_copy import fill_from_peer
-
         assert self.prepared is not None
         self.phase = "loading"
         t1 = time.monotonic()
         arena = self._new_arena(self.prepared.layout.size)
         t2 = time.monotonic()
         try:
-            info = fill_from_peer(self.peer, self.prepared, arena)
+            info = peer.copy_into(self.prepared, arena)
             arena.seal()
         except (WeightCacheError, OSError, RuntimeError) as e:
             arena.close()
@@ -288,8 +314,13 @@ class Agent:
         self.filled_from = "peer"
         # fill: what this replica spent on its bytes, the wait for the source's own load left out
         self.timings.update(allocate=t2 - t1, peer_wait=info["wait_seconds"], peer_copy=info["copy_seconds"],
-                            fill=time.monotonic() - t2 - info["wait_seconds"])
-        return loaded_from(self.prepared, arena, time.monotonic() - t0)
+                            fill=time.monotonic() - t2)
+        seconds = time.monotonic() - t0 - info["wait_seconds"]
+        if isinstance(self.prepared, RecordedCache):
+            return self.prepared.loaded(arena, seconds)
+        from ..load.loader import loaded_from
+
+        return loaded_from(self.prepared, arena, seconds)
 
     def _free_bytes(self) -> int | None:
         try:
@@ -317,10 +348,7 @@ class Agent:
             return CudaArena(size, self.device.ordinal, self.device.uuid, fd=fd)
         if fd is not None:
             return CpuArena.adopt(fd, size)
-        assert self.prepared is not None
-        from ..load.loader import new_cpu_arena
-
-        return new_cpu_arena(self.prepared, name=f"weightcache:{os.path.basename(self.socket_path)}")
+        return new_cpu_arena(size, self.spec, name=f"weightcache:{os.path.basename(self.socket_path)}")
 
     # -- state kept for a restarted agent ------------------------------------------------------
 
@@ -353,7 +381,7 @@ class Agent:
 
         The file exists exactly while engines are attached: an agent restarted after its
         last engine left loads from disk at once instead of waiting for nobody. Call with
-        `_lock` held; raises OSError when the file cannot be made durable.
+        `_lock` held; raises OSError when the file cannot be written.
         """
         state = self._state()
         if state is None:
@@ -412,6 +440,7 @@ class Agent:
             "device": self.device.uuid,
             "adopted": self.adopted,
             "filled_from": "adopted" if self.adopted else self.filled_from,
+            "planned_from": self.planned_from,
             "progress": self.progress.to_json(),
             "fingerprint": cache.fingerprint if cache else None,
             "fields": cache.fields if cache else None,
@@ -432,7 +461,7 @@ class Agent:
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
-            # Without the lock, which attaches hold across a durable state write: status must answer
+            # Without the lock, which attaches hold across a state-file write: status must answer
             # at once while dozens of engines attach. Copying a dict's values is atomic under the GIL.
             "clients": [lease.to_json() for lease in sorted(list(self._leases.values()), key=lambda lease: lease.since)],
         }
@@ -658,7 +687,7 @@ class Agent:
 
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
                   token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
-        """A new lease, durable in the state file, or None (after telling the client why not).
+        """A new lease, recorded in the state file, or None (after telling the client why not).
 
         Role "auto" is decided here, under the lock: primary when the group has none, else standby.
         """

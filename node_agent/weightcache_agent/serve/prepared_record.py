@@ -38,6 +38,7 @@ class RecordedLayout:
     nbytes: int
     layout_hash: str
     manifest: dict[str, list]
+    kinds: list[str]
 
     @property
     def slots(self) -> list[str]:  # what `len(layout.slots)` counts
@@ -67,14 +68,20 @@ class RecordedCache:
 
 
 def write_record(path: str, prepared: Any) -> None:
-    """Record `prepared` (a `PreparedCache` whose checkpoint was just read). Raises OSError."""
-    layout, checkpoint = prepared.layout, prepared.checkpoint
+    """Record `prepared`: a `PreparedCache` whose checkpoint was just read, or another replica's
+    `RecordedCache` this agent served from. Raises OSError."""
+    layout = prepared.layout
+    if isinstance(prepared, RecordedCache):
+        signature, revision, kinds = prepared.signature, prepared.revision, layout.kinds
+    else:
+        signature, revision = prepared.checkpoint.signature, prepared.checkpoint.revision
+        kinds = [slot.kind for slot in layout.slots]
     write_private(path, {
         "version": RECORD_VERSION, "package": __version__, "layout_version": LAYOUT_VERSION,
-        "spec": prepared.spec.to_json(), "signature": checkpoint.signature, "revision": checkpoint.revision,
+        "spec": prepared.spec.to_json(), "signature": signature, "revision": revision,
         "fields": prepared.fields, "fingerprint": prepared.fingerprint,
         "size": layout.size, "nbytes": layout.nbytes, "layout_hash": layout.layout_hash,
-        "manifest": layout.to_manifest(), "kinds": [slot.kind for slot in layout.slots],
+        "manifest": layout.to_manifest(), "kinds": kinds,
     })
 
 
@@ -121,5 +128,5 @@ def _layout(doc: dict[str, Any]) -> RecordedLayout:
         rows.append([name, offset, shape, stride, dtype, kind])
     if hash_rows(size, rows) != doc["layout_hash"]:
         raise ValueError("the layout does not hash to the recorded layout hash")
-    return RecordedLayout(size, int(doc["nbytes"]), doc["layout_hash"], manifest)
+    return RecordedLayout(size, int(doc["nbytes"]), doc["layout_hash"], manifest, kinds)
 
