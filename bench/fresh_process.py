@@ -297,11 +297,14 @@ def main() -> int:
         wall = st["wall_seconds"]
         result[f"cold_{quant}"] = {"raw_s": raw, "wall_s": wall, "load_s": st["load_seconds"],
                                    "peak_rss_bytes": st.get("peak_rss_bytes"),
-                                   "prefetched_bytes": st.get("prefetched_bytes")}
+                                   "prefetched_bytes": st.get("prefetched_bytes"),
+                                   "breakdown": st.get("load_breakdown")}
         rows.append((f"cold load, {quant}, {size / 2**30:.1f} GiB: process start -> serving (raw read just before: "
                      f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s)",
                      f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s", f"{raw / wall:.2f} of raw"))
-        rows.append((f"  agent peak RSS during it; bytes read ahead during start-up",
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in (st.get("load_breakdown") or {}).items()
+                           if k in ("prepare", "fill", "prefetch"))
+        rows.append((f"  agent peak RSS during it; bytes read ahead of the fill (s since load start: {phases})",
                      f"{(st.get('peak_rss_bytes') or 0) / 2**20:.0f} MiB",
                      f"{(st.get('prefetched_bytes') or 0) / 2**30:.2f} GiB prefetched"))
 

@@ -266,6 +266,7 @@ class Agent:
             if prefetch is not None:
                 prefetch.stop()
                 self.prefetched = prefetch.read
+                self.timings["prefetch"] = prefetch.seconds  # from load start until its last byte (or stop)
             if peer is not None:
                 peer.close()
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
