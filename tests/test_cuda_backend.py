@@ -295,3 +295,34 @@ def test_prepare_then_attach_binds_on_the_gpu(tmp_path):
             assert w.is_cuda and not w.is_meta
     finally:
         agent.stop()
+
+
+@cuda
+def test_an_arena_filled_from_a_peer_view_holds_the_sources_bytes():
+    """A replica's fill: the source arena's fd mapped for this device, one driver copy into ours."""
+    from weightcache_agent.arena.cuda import CudaArena, PeerView
+    from weightcache_agent.arena.devices import cuda_uuid
+
+    uuid, size = cuda_uuid(0), 64 << 20
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0", generator=None)
+    source, target = CudaArena(size, 0, uuid), CudaArena(size, 0, uuid)
+    try:
+        source.device_tensor().copy_(data)
+        source.seal()
+        view = PeerView(source.fd, source.size, uuid, readers=[0])
+        try:
+            target.copy_from(view, size - 4096)  # the layout's bytes: less than the granule-rounded arena
+        finally:
+            view.release()
+        target.seal()
+        check = PeerView(target.fd, target.size, uuid, readers=[0])
+        try:
+            copied = check.tensor()
+            assert torch.equal(copied[: size - 4096], data[: size - 4096])
+            assert not torch.equal(copied[size - 4096 : size], data[size - 4096 :]), "copied past the count"
+            del copied
+        finally:
+            check.release()
+    finally:
+        source.close()
+        target.close()
