@@ -8,7 +8,7 @@ import threading
 import time
 
 from weightcache_agent.load.pagecache import cached_share
-from weightcache_agent.load.prefetch import CHUNK, Prefetch, shard_paths
+from weightcache_agent.load.prefetch import CHUNK, WAIT_S, Prefetch, shard_paths
 
 
 def _shards(tmp_path, sizes):
@@ -73,3 +73,28 @@ def test_a_fifo_in_place_of_a_shard_is_not_waited_on(tmp_path):
     stopper.start()
     stopper.join(5)
     assert not stopper.is_alive() and prefetch.read == 0
+
+
+def test_a_read_behind_waits_for_the_read_ahead_to_pass_its_bytes(tmp_path):
+    model = _shards(tmp_path, [3 * CHUNK, 2 * CHUNK])
+    paths = shard_paths(model)
+    done = [0]
+    prefetch = Prefetch(paths, lambda: done[0], lead=2 * CHUNK)
+    try:
+        started = time.monotonic()
+        prefetch.wait_past(paths[0], 2 * CHUNK)  # within the lead: passed soon
+        assert time.monotonic() - started < WAIT_S and prefetch.read >= 2 * CHUNK
+        started = time.monotonic()
+        prefetch.wait_past(paths[1], CHUNK)  # beyond the lead: the read-ahead waits for the fill, so the fill
+        assert time.monotonic() - started >= WAIT_S * 0.9  # waits no longer than WAIT_S, then reads itself
+        assert prefetch.read == 2 * CHUNK
+        prefetch.wait_past(str(tmp_path / "elsewhere.safetensors"), 1)  # not one of its files: no wait
+        done[0] = 5 * CHUNK
+        started = time.monotonic()
+        prefetch.wait_past(paths[1], 2 * CHUNK)
+        assert time.monotonic() - started < WAIT_S and prefetch.read == 5 * CHUNK
+    finally:
+        prefetch.stop()
+    started = time.monotonic()
+    prefetch.wait_past(paths[1], 10 * CHUNK)  # ended: never waits
+    assert time.monotonic() - started < 0.1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,7 +24,7 @@ from ..errors import CheckpointError
 from .layout import ArenaLayout
 from .plan import LoadProgress, PlannedTensor
 from .pipeline import (ALIGN, STAGING_BYTES, _Files, _Job, _JobFeed, _LockedProgress, _Reader, _rows, _up,
-                       default_readers, direct_io_mode)
+                       default_readers)
 
 if TYPE_CHECKING:
     from ..arena.cuda import CudaArena
@@ -63,14 +63,14 @@ def _pinned(nbytes: int) -> tuple[torch.Tensor, memoryview]:
 
 
 def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
-                    staging_bytes: int = STAGING_BYTES, readers: int | None = None, direct_io: str | None = None) -> None:
+                    staging_bytes: int = STAGING_BYTES, readers: int | None = None, read_ahead: Any = None) -> None:
     """Read and transform every planned tensor into its slot of the device arena (module docstring).
 
-    `direct_io`: auto, on or off; None: as `WEIGHTCACHE_DIRECT_IO` says (`direct_io_mode`)."""
+    `read_ahead`: a read-ahead of the files to read behind (`_Files.for_fill`)."""
     device = torch.device("cuda", arena.ordinal)
     dest = arena.device_tensor()
     slots = {slot.name: slot for slot in layout.slots}
-    files = _Files(direct_io or direct_io_mode())
+    files = _Files.for_fill(read_ahead)
     progress_ = _LockedProgress(progress)
     # Each pinned buffer takes exactly `staging_bytes` (torch's pinned allocator rounds a request up
     # to a power of two): an O_DIRECT read's aligned superset of a job, from any file offset, plus

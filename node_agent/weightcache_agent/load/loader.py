@@ -155,10 +155,11 @@ def prepare_cache(spec: CacheSpec, device: str = "cpu") -> PreparedCache:
 
 
 def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | None = None, show_bar: bool = False,
-               started: float | None = None, direct_io: str | None = None) -> LoadedCache:
+               started: float | None = None, read_ahead: Any = None) -> LoadedCache:
     """Read the checkpoint into `arena` (cpu or cuda) and seal it. Closes the arena on failure.
 
-    `direct_io`: auto, on or off (`pipeline.direct_io_mode`); None: as `WEIGHTCACHE_DIRECT_IO` says.
+    `read_ahead`: a `prefetch.Prefetch` reading the files into the page cache; the fill then
+    reads buffered, right behind it (see prefetch.py).
     """
     t0 = time.monotonic() if started is None else started
     plan, layout, checkpoint, spec = prepared.plan, prepared.layout, prepared.checkpoint, prepared.spec
@@ -175,7 +176,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             from .cuda_fill import fill_cuda_arena
 
             try:
-                fill_cuda_arena(arena, layout, plan, progress, direct_io=direct_io)
+                fill_cuda_arena(arena, layout, plan, progress, read_ahead=read_ahead)
             finally:
                 progress.finish()
         else:
@@ -186,7 +187,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             buffer = arena.writable(populate=upfront)
             try:
                 fill_arena(buffer, layout, plan, progress, reserve=None if upfront else arena.reserve,
-                           fd=getattr(arena, "fd", None), direct_io=direct_io)
+                           fd=getattr(arena, "fd", None), read_ahead=read_ahead)
             finally:
                 buffer.release()
                 progress.finish()

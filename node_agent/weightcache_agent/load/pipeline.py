@@ -265,12 +265,22 @@ class _Files:
     None where the mode, the filesystem or a refused read says to read the file buffered.
     """
 
-    def __init__(self, mode: str = "off"):
+    def __init__(self, mode: str = "off", gate: Any = None):
         self.mode = mode
+        self.gate = gate  # gate(path, end): returns once buffered bytes of path below end may be read
         self.buffered: dict[str, int] = {}
         self.direct_fds: dict[str, int | None] = {}
         self.opened: list[int] = []
         self.lock = threading.Lock()
+
+    @classmethod
+    def for_fill(cls, read_ahead: Any = None) -> "_Files":
+        """Direct or buffered as `direct_io_mode()` says; behind a read-ahead (an object with
+        `wait_past(path, end)`) buffered, each read after the read-ahead passed its bytes: the
+        pages are then cached or in flight, and O_DIRECT would read them from the disk again."""
+        if read_ahead is None:
+            return cls(direct_io_mode())
+        return cls("off", read_ahead.wait_past)
 
     def fd(self, path: str) -> int:
         fd = self.buffered.get(path)
@@ -363,6 +373,8 @@ class _Reader:
         """Read bytes [lo, hi) of the shard (source dtype, slot order) into `dest[0 : hi - lo]`, buffered."""
         fd = self.fd(item.source.file)
         for pos, at, length in self._ranges(segments, lo, hi):
+            if self.files.gate is not None:
+                self.files.gate(item.source.file, pos + length)
             out = dest[at : at + length]
             done = 0
             while done < length:
@@ -452,6 +464,8 @@ class _Reader:
         """
         fd = self.fd(item.source.file)
         for pos, at, length in self._ranges(segments, lo, hi):
+            if self.files.gate is not None:
+                self.files.gate(item.source.file, pos + length)
             os.lseek(out_fd, out_at + at, os.SEEK_SET)
             done = 0
             while done < length:
@@ -530,7 +544,7 @@ def _own_fd(fd: int) -> int:
 
 def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
                workers: int | None = None, staging_bytes: int = STAGING_BYTES, reserve: Any = None,
-               fd: int | None = None, readers: int | None = None, direct_io: str | None = None) -> None:
+               fd: int | None = None, readers: int | None = None, read_ahead: Any = None) -> None:
     """Read and transform every planned tensor into its slot of the arena.
 
     `fd`: the arena's memfd (writable); when given, bytes go in with sendfile / pwrite and
@@ -538,12 +552,13 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     writes allocate the pages. Without it, `buffer` (a writable view of the whole arena)
     is written directly, and `reserve(offset, length)`, when given, allocates its pages on
     a thread ahead of the writers. `readers`: reader threads (default `default_readers()`).
-    Reads are direct or buffered as `direct_io` (auto, on, off) or else `direct_io_mode()` says.
+    Reads are direct or buffered as `direct_io_mode()` says; behind a `read_ahead` (load/prefetch.py:
+    it reads the files into the page cache) buffered, each waiting for it to pass its bytes.
     """
     slots = {slot.name: slot for slot in layout.slots}
     workers = workers or default_workers()
     readers = max(1, readers or default_readers())
-    files = _Files(direct_io or direct_io_mode())
+    files = _Files.for_fill(read_ahead)
     if fd is not None:
         try:
             os.close(_own_fd(fd))

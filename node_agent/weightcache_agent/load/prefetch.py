@@ -6,12 +6,12 @@ shard files in the order the fill will read them (file order, one sequential str
 way a plain `cat` reads them) into the page cache, from the moment the agent starts, and
 keeps reading until the last file is in, at most `lead` bytes ahead of the fill (the page
 cache is not the arena: the lead bounds what is held twice). The fill reads the same pages
-buffered (the agent turns O_DIRECT off while a prefetch runs, or the disk would read
-every byte twice): first at memory speed, until it catches up, and from then on right
-behind the prefetch, finding each page cached or already under way. So a cold load runs
-at the rate of one sequential buffered read, however the fill's own readers would fare on
-this disk. Bytes cached already are skipped, not copied. Needs no torch and no parsed
-header: the file list comes from the index or the directory, as `checkpoint` makes it.
+buffered (O_DIRECT would read every byte twice), each read only once the read-ahead has
+passed its bytes (`wait_past`): first at memory speed, until it catches up, then right
+behind the read-ahead. The disk sees the one sequential stream, never a second one started
+by the fill's readers, so a cold load runs at the rate of one sequential buffered read.
+Bytes cached already are skipped, not copied. Needs no torch and no parsed header: the
+file list comes from the index or the directory, as `checkpoint` makes it.
 """
 from __future__ import annotations
 
@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 CHUNK = 16 << 20
 MIN_LEAD = 1 << 30
+# The longest a fill's read waits for the read-ahead to pass it; past it (the read-ahead stalled,
+# or far behind) the fill reads the bytes itself.
+WAIT_S = 1.0
 
 
 def lead_for(paths: list[str], host_arena: bool) -> int:
@@ -61,6 +64,10 @@ class Prefetch:
         self.paths, self.done, self.lead = paths, done, lead
         self.read = 0
         self.seconds = 0.0
+        self._order = {os.path.realpath(p): i for i, p in enumerate(paths)}
+        self._at = (0, 0)  # (index of the file being read, bytes of it read)
+        self._ended = False
+        self._moved = threading.Condition()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
         self._thread.start()
@@ -69,12 +76,30 @@ class Prefetch:
         self._stop.set()
         self._thread.join()
 
+    def wait_past(self, path: str, end: int) -> None:
+        """Return once the read-ahead has read `path` up to byte `end`, has ended, or `WAIT_S` passed.
+
+        A fill reading buffered behind the read-ahead calls it before each read: its pages are
+        then cached or already in flight, and the disk sees one sequential stream, never a
+        second one starting at the fill's position.
+        """
+        index = self._order.get(os.path.realpath(path))
+        if index is None:
+            return
+        with self._moved:
+            self._moved.wait_for(lambda: self._ended or self._at >= (index, end), timeout=WAIT_S)
+
+    def _advance(self, index: int, position: int) -> None:
+        with self._moved:
+            self._at = (index, position)
+            self._moved.notify_all()
+
     def _run(self) -> None:
         started = time.monotonic()
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         try:
-            for path in self.paths:
+            for index, path in enumerate(self.paths):
                 # Non-blocking open, regular files only: a FIFO or device in place of a shard is the
                 # load's to refuse, never something to wait on here.
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
@@ -96,11 +121,16 @@ class Prefetch:
                             break
                         position += n
                         self.read += n
+                        self._advance(index, position)
                 finally:
                     os.close(fd)
+                self._advance(index + 1, 0)
                 if self._stop.is_set():
                     return
         except OSError as e:
             log.debug("prefetch stopped: %s", e)
         finally:
             self.seconds = time.monotonic() - started
+            with self._moved:
+                self._ended = True
+                self._moved.notify_all()

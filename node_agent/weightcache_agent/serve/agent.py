@@ -252,9 +252,8 @@ class Agent:
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
-                # Behind a prefetch, buffered: its pages are the fill's (prefetch.py); O_DIRECT would read them again.
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0,
-                                        direct_io="off" if prefetch is not None else None)
+                                        read_ahead=prefetch)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
                 recorded = None
         except BaseException as e:
