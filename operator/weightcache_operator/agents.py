@@ -8,7 +8,8 @@ change, and bounds what lands in etcd to what ``rollup`` chooses to keep. The co
 poll interval, made concurrently with a cap.
 
 ``fetch_agent_status`` is a plain blocking function over ``urllib`` (tests point it
-at a real local HTTP server); ``fetch_all`` runs it in threads for many pods at once.
+at a real local HTTP server); ``fetch_all`` runs it in threads for many pods at once;
+``ask_agents`` lists a cache's agent pods and asks them all, for both reconciles.
 """
 from __future__ import annotations
 
@@ -19,7 +20,12 @@ import json
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .config import AGENT_HTTP_PORT
+
+if TYPE_CHECKING:
+    from .kube import KubeApi
 
 # A node's status is a few KiB; anything larger is not an agent talking.
 MAX_STATUS_BYTES = 1 << 20
@@ -169,3 +175,16 @@ async def fetch_all(
     wanted = [p for p in pods if p.phase == "Running" and not p.terminating]
     results = await asyncio.gather(*(one(p) for p in wanted))
     return dict(results)
+
+
+async def ask_agents(
+    api: KubeApi, namespace: str, selector: Mapping[str, str], timeout: float
+) -> tuple[list[dict[str, Any]], list[AgentPod], dict[str, dict[str, Any] | AgentStatusError]]:
+    """(the listed pods, one agent pod per node, what each running one answered to ``/status``).
+
+    A failed list raises (the reconcile retries); an agent that does not answer in
+    ``timeout`` is an ``AgentStatusError`` among the answers, never an exception.
+    """
+    raw = await asyncio.to_thread(api.list_pods, namespace, selector)
+    pods = select_agent_pods(raw, selector, AGENT_HTTP_PORT)
+    return raw, pods, await fetch_all(pods, timeout=timeout)

@@ -8,7 +8,7 @@ registers it), and, like it, does not care why it runs. One pass:
    template against the cache's tensor-parallel size, and (mode dra) that the
    DeviceClass exists. Any problem: Ready=False, Degraded=True with the reason,
    an Event, nothing touched, no exception (no retry storm; other EngineSets go on);
-2. ask the cache's agents for ``/status`` (``agents.fetch_all``): the Ready replicas
+2. ask the cache's agents for ``/status`` (``agents.ask_agents``): the Ready replicas
    of the cache per node, and per lease group the pod the agent holds as primary;
 3. read back this EngineSet's pods and claims (label ``weightcache.io/engineset``
    and controller owner reference), their placement from their annotations, and
@@ -51,9 +51,10 @@ from typing import Any
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from .agents import AgentStatusError, fetch_all, select_agent_pods
-from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339, transitions
-from .config import AGENT_HTTP_PORT, OperatorConfig
+from . import owned_status
+from .agents import AgentStatusError, ask_agents
+from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339
+from .config import OperatorConfig
 from .engineset_manifests import (
     ANNOTATION_MODEL,
     LABEL_ENGINESET,
@@ -81,6 +82,7 @@ from .control import SwitchoverError, control_token, post_switchover
 from .placement import Placement, Replica, orphaned, place
 from .rollout import EnginePod, Step, Target, plan_group
 from .rollup import node_replicas
+from .owned_status import carried_status, publish_status
 from .spec import CacheSpec, SpecError, parse_spec, plain
 
 STATUS_KEYS = (
@@ -225,16 +227,13 @@ def problem_conditions(reason: str, message: str) -> list[Desired]:
     ]
 
 
+def _changed(old: Any, new: Any) -> Any:
+    # A dict (rollout) is patched key by key: a key it no longer has must go (null).
+    return merge_patch_for(old, new) if isinstance(new, dict) else new
+
+
 def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
-    patch: dict[str, Any] = {}
-    for key in STATUS_KEYS:
-        if key in new:
-            if old.get(key) != new[key]:
-                # A dict (rollout) is patched key by key: a key it no longer has must go (null).
-                patch[key] = merge_patch_for(old.get(key), new[key]) if isinstance(new[key], dict) else new[key]
-        elif key in old:
-            patch[key] = None
-    return patch
+    return owned_status.status_patch(old, new, STATUS_KEYS, _changed)
 
 
 # An agent's /status is refreshed by its supervisor every 0.5 s: a read this long after the pod
@@ -297,10 +296,8 @@ class EngineSetReconciler:
     async def _cache_view(self, namespace: str, es: EngineSetSpec) -> CacheView:
         assert self.api is not None
         cs, ready, message, memory_hold = await asyncio.to_thread(self._read_cache, namespace, es)
-        labels = agent_selector_labels(es.cache_name)
-        raw = await asyncio.to_thread(self.api.list_pods, namespace, labels)
-        agents = select_agent_pods(raw, labels, AGENT_HTTP_PORT)
-        answers = await fetch_all(agents, timeout=self.config.agent_http_timeout)
+        raw, agents, answers = await ask_agents(self.api, namespace, agent_selector_labels(es.cache_name),
+                                                self.config.agent_http_timeout)
         replicas: list[Replica] = []
         prim: dict[str, dict[str, PodRef]] = {}
         roles: dict[str, dict[str, str]] = {}
@@ -423,10 +420,7 @@ class EngineSetReconciler:
         meta = body.get("metadata") or {}
         namespace, name = meta["namespace"], meta["name"]
         uid, generation = meta.get("uid"), meta.get("generation")
-        old_status = {**plain(body.get("status") or {}), **memo.get("written", {})}
-        new_status: dict[str, Any] = {k: old_status[k] for k in STATUS_KEYS if k in old_status}
-        if generation is not None:
-            new_status["observedGeneration"] = generation
+        old_status, new_status = carried_status(body, memo, STATUS_KEYS)
         new_status["selector"] = selector_string(name)
 
         try:
@@ -439,15 +433,8 @@ class EngineSetReconciler:
             desired = await self._converge(body, memo, logger, namespace, name, uid, es, view, old_status, new_status)
 
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
-        patch = status_patch(old_status, new_status)
-        if not patch:
-            return
-        await asyncio.to_thread(self.api.patch_engineset_status, namespace, name, patch)
-        memo["written"] = {k: v for k, v in new_status.items() if k in STATUS_KEYS}
-        for t in transitions(old_status.get("conditions"), new_status["conditions"]):
-            kopf.event(body, type="Warning" if t.warning else "Normal", reason=t.reason,
-                       message=f"{t.type}={t.status}: {t.message}"[:1024])
-            logger.info(f"condition {t.type} {t.old_status} -> {t.status} ({t.reason}): {t.message}")
+        await publish_status(body, memo, logger, old_status, new_status, STATUS_KEYS,
+                             status_patch(old_status, new_status), self.api.patch_engineset_status)
 
     async def _converge(
         self, body: kopf.Body, memo: kopf.Memo, logger: Any, namespace: str, name: str, uid: str | None,

@@ -45,10 +45,11 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
-from .agents import fetch_all, select_agent_pods
-from .conditions import DEGRADED, Desired, merge, transitions
+from . import owned_status
+from .agents import ask_agents
+from .conditions import DEGRADED, Desired, merge
 from .control import render_control_secret
-from .config import AGENT_HTTP_PORT, OperatorConfig
+from .config import OperatorConfig
 from .engineset import EngineSetReconciler
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
@@ -65,6 +66,7 @@ from .manifests import (
     socket_dir,
 )
 from .rollup import agent_conditions, daemonset_rollout, node_entry, spec_conditions, summarize
+from .owned_status import carried_status, publish_status
 from .spec import SpecError, parse_spec, plain
 from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
 
@@ -91,14 +93,7 @@ def _controlled_by(obj: Mapping[str, Any], owner_uid: str | None) -> bool:
 
 def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """Only the owned status keys that differ; keys we no longer set become null."""
-    patch: dict[str, Any] = {}
-    for key in STATUS_KEYS:
-        if key in new:
-            if old.get(key) != new[key]:
-                patch[key] = new[key]
-        elif key in old:
-            patch[key] = None
-    return patch
+    return owned_status.status_patch(old, new, STATUS_KEYS)
 
 
 class Reconciler:
@@ -228,11 +223,7 @@ class Reconciler:
         meta = body.get("metadata") or {}
         namespace, name = meta["namespace"], meta["name"]
         uid, generation = meta.get("uid"), meta.get("generation")
-        # Our last successful status write wins over a watch event that has not caught up.
-        old_status = {**plain(body.get("status") or {}), **memo.get("written", {})}
-        new_status: dict[str, Any] = {k: old_status[k] for k in STATUS_KEYS if k in old_status}
-        if generation is not None:
-            new_status["observedGeneration"] = generation
+        old_status, new_status = carried_status(body, memo, STATUS_KEYS)
         new_status["socketDir"] = socket_dir(namespace, name)
 
         try:
@@ -285,9 +276,8 @@ class Reconciler:
     async def _agents(self, namespace: str, name: str) -> tuple[list[Any], dict[str, Any]]:
         """The agent pods and what each answered to `/status`."""
         assert self.api is not None
-        raw_pods = await asyncio.to_thread(self.api.list_pods, namespace, selector_labels(name))
-        pods = select_agent_pods(raw_pods, selector_labels(name), AGENT_HTTP_PORT)
-        return pods, await fetch_all(pods, timeout=self.config.agent_http_timeout)
+        _, pods, answers = await ask_agents(self.api, namespace, selector_labels(name), self.config.agent_http_timeout)
+        return pods, answers
 
     @staticmethod
     def _held_for_memory(live_ds: dict[str, Any] | None, cs: Any, pods: list[Any],
@@ -310,20 +300,8 @@ class Reconciler:
         self, body: kopf.Body, memo: kopf.Memo, old: dict[str, Any], new: dict[str, Any], logger: Any
     ) -> None:
         assert self.api is not None
-        patch = status_patch(old, new)
-        if not patch:
-            return  # nothing changed: no write, no event
-        meta = body["metadata"]
-        await asyncio.to_thread(self.api.patch_cache_status, meta["namespace"], meta["name"], patch)
-        memo["written"] = {k: v for k, v in new.items() if k in STATUS_KEYS}
-        for t in transitions(old.get("conditions"), new["conditions"]):
-            kopf.event(
-                body,
-                type="Warning" if t.warning else "Normal",
-                reason=t.reason,
-                message=f"{t.type}={t.status}: {t.message}"[:1024],
-            )
-            logger.info(f"condition {t.type} {t.old_status} -> {t.status} ({t.reason}): {t.message}")
+        await publish_status(body, memo, logger, old, new, STATUS_KEYS, status_patch(old, new),
+                             self.api.patch_cache_status)
 
 
 def build_settings(settings: kopf.OperatorSettings | None = None) -> kopf.OperatorSettings:
