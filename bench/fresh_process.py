@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,8 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.join(HERE, "..", "node_agent")
 sys.path.insert(0, PKG)
 
+from agent_process import AgentProcess  # noqa: E402  (torch-free, as this module)
 from weightcache_agent import agent_status  # noqa: E402  (torch-free)
-from weightcache_agent.errors import AgentUnavailable  # noqa: E402
 
 ENGINE = r"""
 import json, os, sys, time
@@ -71,38 +70,11 @@ att.close()
 """
 
 
-class Agent:
+class Agent(AgentProcess):
+    """The agent, importing this checkout's package (see `_env`)."""
+
     def __init__(self, model: str, sock: str, backend: str, *extra: str):
-        self.sock = sock
-        self.started = time.perf_counter()
-        self.log = open(sock + ".log", "a")
-        self.proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket",
-                                      sock, "--backend", backend, "--progress", "never", *extra],
-                                     stdout=subprocess.DEVNULL, stderr=self.log, env=_env())
-
-    def ready(self, timeout: float = 1800) -> dict:
-        deadline = time.perf_counter() + timeout
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"agent exited {self.proc.returncode}: {open(self.sock + '.log').read()[-3000:]}")
-            try:
-                status = agent_status(self.sock)
-                if status["phase"] == "ready":
-                    status["wall_seconds"] = time.perf_counter() - self.started
-                    return status
-            except AgentUnavailable:
-                pass
-            time.sleep(0.002)
-        raise SystemExit("agent not ready in time")
-
-    def torch_loaded(self) -> bool:
-        with open(f"/proc/{self.proc.pid}/maps") as f:
-            return any("libtorch" in line for line in f)
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
-        self.proc.wait()
+        super().__init__(model, sock, backend, *extra, env=_env())
 
 
 def _env() -> dict[str, str]:

@@ -27,9 +27,8 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 
-from weightcache_agent import agent_status  # noqa: E402
+from agent_process import AgentProcess  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
-from weightcache_agent.errors import AgentUnavailable  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
 
@@ -106,33 +105,14 @@ def raw_read(files: list[str]) -> float:
 CHILDREN: list[subprocess.Popen] = []
 
 
-class Agent:
+class Agent(AgentProcess):
+    """A cuda agent, stopped with the benchmark (see CHILDREN)."""
+
+    READY_TIMEOUT = 900.0
+
     def __init__(self, model: str, sock: str, *extra: str):
-        self.sock = sock
-        self.started = time.perf_counter()
-        self.proc = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket",
-                                      sock, "--backend", "cuda", "--progress", "never", *extra],
-                                     stdout=subprocess.DEVNULL, stderr=open(sock + ".log", "w"))
+        super().__init__(model, sock, "cuda", *extra, log_mode="w")
         CHILDREN.append(self.proc)
-
-    def ready(self, timeout: float = 900) -> dict:
-        deadline = time.perf_counter() + timeout
-        while time.perf_counter() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"agent exited {self.proc.returncode}: {open(self.sock + '.log').read()[-3000:]}")
-            try:
-                status = agent_status(self.sock)
-                if status["phase"] == "ready":
-                    status["wall_seconds"] = time.perf_counter() - self.started
-                    return status
-            except AgentUnavailable:
-                pass
-            time.sleep(0.002)
-        raise SystemExit("agent not ready in time")
-
-    def stop(self, kill: bool = False) -> None:
-        (self.proc.kill if kill else self.proc.terminate)()
-        self.proc.wait()
 
 
 ENGINE = r"""
