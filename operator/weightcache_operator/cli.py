@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 
-from weightcache_agent.usage import EXIT_FAILED, parser as usage_parser, refuse
+from weightcache_agent.usage import EXIT_FAILED, EXIT_USAGE, parser as usage_parser, refuse
 
 from .config import OperatorConfig
+
+PROG = "weightcache operator"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = usage_parser(
-        "weightcache operator", __doc__.splitlines()[0],
+        PROG, __doc__.splitlines()[0],
         examples=["weightcache operator --kubeconfig ~/.kube/config -n ml",
                   "weightcache operator --all-namespaces --liveness http://0.0.0.0:8080/healthz"],
         env={"KUBECONFIG": "credentials outside a pod, when --kubeconfig is not given",
@@ -69,8 +70,7 @@ def main(argv: list[str]) -> int:
     try:
         config = config_from_args(args)
     except ValueError as e:
-        print(f"weightcache operator: {e}", file=sys.stderr)
-        return 2
+        return refuse(PROG, str(e), EXIT_USAGE)
 
     # kopf and the kubernetes client are imported only here: the rest of the
     # `weightcache` command does not need them installed.
@@ -80,15 +80,14 @@ def main(argv: list[str]) -> int:
         from .handlers import build_registry, build_settings
         from .kube import load_client_configuration
     except ModuleNotFoundError as e:
-        return refuse("weightcache operator", f"needs the {e.name} package, which is not installed: install the "
+        return refuse(PROG, f"needs the {e.name} package, which is not installed: install the "
                       "operator extra, pip install 'weightcache[operator]'", EXIT_FAILED)
 
     # Fail fast on missing credentials; kopf would retry the login forever.
     try:
         load_client_configuration(args.kubeconfig, args.context)
     except Exception as e:  # the client raises ConfigException, OSError, yaml errors...
-        print(f"weightcache operator: cannot load Kubernetes credentials: {e}", file=sys.stderr)
-        return 2
+        return refuse(PROG, f"cannot load Kubernetes credentials: {e}", EXIT_USAGE)
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

@@ -29,11 +29,12 @@ if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the fl
     from ..arena.devices import Device
 
 log = logging.getLogger("weightcache.agent")
+PROG = "weightcache agent"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = usage_parser(
-        "weightcache agent", "Load a model once and serve it zero-copy to engines.",
+        PROG, "Load a model once and serve it zero-copy to engines.",
         examples=["weightcache agent --model /models/llama-3-8b --socket /run/weightcache/llama.sock",
                   "weightcache agent --model /models/qwen --socket-dir /run/weightcache/qwen --tp-size 2 "
                   "--quantization fp8-block"],
@@ -131,50 +132,42 @@ def main(argv: list[str]) -> int:
     from ..load.progress import interval_problem  # no torch: a refusal stays instant
 
     if (problem := interval_problem()) is not None:  # before any worker: each would refuse it alike
-        print(f"weightcache agent: {problem}", file=sys.stderr)
-        return 2
+        return refuse(PROG, problem, EXIT_USAGE)
     configure(args.log_format)
     problem = preflight(args)
     if problem:
-        return refuse("weightcache agent", problem, EXIT_USAGE)
+        return refuse(PROG, problem, EXIT_USAGE)
     if args.socket_dir is not None:
         from .supervisor import run_node
 
         return run_node(args, parser)
     problem = model_problem(args.model)
     if problem:
-        return refuse("weightcache agent", problem, EXIT_FAILED)
+        return refuse(PROG, problem, EXIT_FAILED)
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
                          revision=args.revision)
     except UnsupportedQuantization as e:
-        print(f"weightcache agent: {e}", file=sys.stderr)
-        return 2
+        return refuse(PROG, str(e), EXIT_USAGE)
     except ValueError as e:
-        print(f"weightcache agent: bad spec: {e}", file=sys.stderr)
-        return 2
+        return refuse(PROG, f"bad spec: {e}", EXIT_USAGE)
 
     from .access import AccessError, SocketPolicy, check_socket_place
 
     try:
         check_socket_place(args.socket)
     except AccessError as e:
-        return refuse("weightcache agent", str(e), EXIT_FAILED)
+        return refuse(PROG, str(e), EXIT_FAILED)
     from .agent import Agent  # after the spec and path checks: refusals stay instant
     from .stop import StopFlag
 
     show = args.progress == "always" or (args.progress == "auto" and sys.stderr.isatty())
     try:
         device = _device(args)
-    except ValueError as e:
-        print(f"weightcache agent: {e}", file=sys.stderr)
-        return 2
-    try:
         policy = SocketPolicy.from_group(args.socket_group)
-    except AccessError as e:
-        print(f"weightcache agent: {e}", file=sys.stderr)
-        return 2
+    except (ValueError, AccessError) as e:  # a bad --backend/--device value, an unknown --socket-group
+        return refuse(PROG, str(e), EXIT_USAGE)
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
                   adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
@@ -183,14 +176,11 @@ def main(argv: list[str]) -> int:
     try:
         agent.bind()
     except AccessError as e:
-        print(f"weightcache agent: {e}", file=sys.stderr)
-        return 1
+        return refuse(PROG, str(e), EXIT_FAILED)
     except OSError as e:
-        print(f"weightcache agent: cannot serve {args.socket}: {e.strerror or e}", file=sys.stderr)
-        return 1
-    except WeightCacheError as e:
-        print(f"weightcache agent: {e}", file=sys.stderr)
-        return 3
+        return refuse(PROG, f"cannot serve {args.socket}: {e.strerror or e}", EXIT_FAILED)
+    except WeightCacheError as e:  # another agent serves the socket
+        return refuse(PROG, str(e), EXIT_BUSY)
     stop = StopFlag().on_signals()
     failure: list[BaseException] = []
 
@@ -208,7 +198,7 @@ def main(argv: list[str]) -> int:
     agent.close()
     if failure:
         e = failure[0]
-        return refuse("weightcache agent", str(e) if isinstance(e, WeightCacheError) else
+        return refuse(PROG, str(e) if isinstance(e, WeightCacheError) else
                       f"load failed: {type(e).__name__}: {e}", EXIT_FAILED)
     if stop.signal == signal.SIGINT:
         log.info("interrupted (Ctrl-C); shut down")
