@@ -34,6 +34,7 @@ PKG = os.path.join(HERE, "..", "node_agent")
 sys.path.insert(0, PKG)
 
 from agent_process import AgentProcess  # noqa: E402  (torch-free, as this module)
+from page_cache import drop_cache, raw_read  # noqa: E402
 from weightcache_agent import agent_status  # noqa: E402  (torch-free)
 
 ENGINE = r"""
@@ -115,31 +116,6 @@ class Engine:
 
 def files_of(model: str) -> list[str]:
     return sorted(os.path.join(model, f) for f in os.listdir(model) if f.endswith(".safetensors"))
-
-
-def drop_cache(files: list[str]) -> None:
-    os.sync()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
-def raw_read(files: list[str]) -> float:
-    view = memoryview(bytearray(64 << 20))
-    t0 = time.perf_counter()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while os.readv(fd, [view]):
-            pass
-        os.close(fd)
-    return time.perf_counter() - t0
 
 
 def pct(values: list[float], q: float) -> float:

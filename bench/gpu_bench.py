@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 
 from agent_process import AgentProcess  # noqa: E402
+from page_cache import drop_cache, raw_read  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
@@ -74,32 +75,6 @@ def make_checkpoint(directory: str, gib: float, min_tensors: int, hidden: int = 
     os.sync()
     print(f"wrote {gib:.0f} GiB, {len(names)} tensors in {time.time() - t0:.0f}s", file=sys.stderr)
     return directory
-
-
-def drop_cache(files: list[str]) -> None:
-    os.sync()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError:
-        pass
-
-
-def raw_read(files: list[str]) -> float:
-    buf = bytearray(64 << 20)
-    view = memoryview(buf)
-    t0 = time.perf_counter()
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        while os.readv(fd, [view]):
-            pass
-        os.close(fd)
-    return time.perf_counter() - t0
 
 
 CHILDREN: list[subprocess.Popen] = []
