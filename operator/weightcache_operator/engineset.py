@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import logging
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -54,7 +53,6 @@ from kubernetes.client.exceptions import ApiException
 from . import owned_status
 from .agents import AgentStatusError, ask_agents
 from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339
-from .config import OperatorConfig
 from .engineset_manifests import (
     ANNOTATION_MODEL,
     LABEL_ENGINESET,
@@ -74,7 +72,7 @@ from .engineset_manifests import (
     template_hash,
 )
 from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
-from .kube import KubeApi, merge_patch_for
+from .kube import merge_patch_for
 from .manifests import model_dir
 from .transition import holds_for_memory, model_of
 from .manifests import selector_labels as agent_selector_labels
@@ -83,6 +81,7 @@ from .placement import Placement, Replica, orphaned, place
 from .rollout import EnginePod, Step, Target, plan_group
 from .rollup import node_replicas
 from .owned_status import carried_status, publish_status
+from .reconciler import ObjectReconciler
 from .spec import CacheSpec, SpecError, parse_spec, plain
 
 STATUS_KEYS = (
@@ -261,17 +260,8 @@ class CacheView:
     memory_hold: bool = False
 
 
-class EngineSetReconciler:
+class EngineSetReconciler(ObjectReconciler):
     """One instance per operator run; shares the API client with the WeightCache reconciler."""
-
-    def __init__(self, config: OperatorConfig, api: KubeApi | None = None) -> None:
-        self.config = config
-        self.api = api
-
-    async def reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | kopf.Logger) -> None:
-        lock = memo.setdefault("lock", asyncio.Lock())
-        async with lock:
-            await self._reconcile(body, memo, logger)
 
     # --- reading ------------------------------------------------------------------------
 
@@ -415,8 +405,7 @@ class EngineSetReconciler:
     # --- the reconcile ------------------------------------------------------------------
 
     async def _reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: Any) -> None:
-        if self.api is None:
-            raise kopf.TemporaryError("API client not ready (login pending)", delay=1)
+        assert self.api is not None  # reconcile() waits for the login
         meta = body.get("metadata") or {}
         namespace, name = meta["namespace"], meta["name"]
         uid, generation = meta.get("uid"), meta.get("generation")

@@ -67,6 +67,7 @@ from .manifests import (
 )
 from .rollup import agent_conditions, daemonset_rollout, node_entry, spec_conditions, summarize
 from .owned_status import carried_status, publish_status
+from .reconciler import ObjectReconciler
 from .spec import SpecError, parse_spec, plain
 from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
 
@@ -96,12 +97,8 @@ def status_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, An
     return owned_status.status_patch(old, new, STATUS_KEYS)
 
 
-class Reconciler:
-    """Holds the operator settings and the API client; one instance per operator run."""
-
-    def __init__(self, config: OperatorConfig, api: KubeApi | None = None) -> None:
-        self.config = config
-        self.api = api
+class Reconciler(ObjectReconciler):
+    """The WeightCache reconcile; one instance per operator run."""
 
     # --- children -------------------------------------------------------------------
 
@@ -210,16 +207,8 @@ class Reconciler:
 
     # --- the reconcile ----------------------------------------------------------------
 
-    async def reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: logging.Logger | kopf.Logger) -> None:
-        # One reconcile at a time per object: the timer and a spec-change handler
-        # may fire together, and they must not interleave their reads and writes.
-        lock = memo.setdefault("lock", asyncio.Lock())
-        async with lock:
-            await self._reconcile(body, memo, logger)
-
     async def _reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: Any) -> None:
-        if self.api is None:
-            raise kopf.TemporaryError("API client not ready (login pending)", delay=1)
+        assert self.api is not None  # reconcile() waits for the login
         meta = body.get("metadata") or {}
         namespace, name = meta["namespace"], meta["name"]
         uid, generation = meta.get("uid"), meta.get("generation")
