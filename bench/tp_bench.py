@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 sys.path.insert(0, HERE)
 
 from gpu_bench import drop_cache, make_checkpoint  # noqa: E402
+from tcp_rendezvous import rendezvous  # noqa: E402
 from weightcache_agent import CacheSpec, agent_status, protocol  # noqa: E402
 from weightcache_agent.client.session import map_arena  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
@@ -91,19 +91,6 @@ class NodeSupervisor:
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(60)
-
-
-def rendezvous() -> str:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return f"tcp://127.0.0.1:{port}"
-        except OSError:
-            continue
 
 
 def engine_env(status: dict) -> dict:

@@ -1,5 +1,8 @@
 """Helpers for the socket security and abuse tests: an agent whose log is a file, raw frames,
-and the check every case ends with -- the agent still hands out the right weights."""
+and the check every case ends with -- the agent still hands out the right weights.
+
+The fixtures `model` (a one-layer Llama checkpoint) and `disk` (its tensors as read from the
+file) are imported into a test module by name; each module gets its own."""
 from __future__ import annotations
 
 import os
@@ -8,13 +11,24 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from agent_fixtures import AgentProcess, fd_count, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.load.checkpoint import open_checkpoint
-from weightcache_agent.testing.synthetic import skeleton_module
+from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=1))
+
+
+@pytest.fixture(scope="module")
+def disk(model: str) -> dict[str, torch.Tensor]:
+    return disk_tensors(model)
 
 
 class LoggedAgent(AgentProcess):

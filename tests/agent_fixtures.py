@@ -16,7 +16,10 @@ PROBE = os.path.join(os.path.dirname(__file__), "engine_probe.py")
 
 
 class AgentProcess:
-    """`weightcache agent` as a subprocess; `wait_ready()` polls its status over the socket."""
+    """`weightcache agent` as a subprocess; `wait_ready()` polls its status over the socket.
+
+    As a context manager: ready when the block starts, stopped when it ends (also when it never
+    became ready)."""
 
     def __init__(self, model: str, socket: str, *extra: str):
         self.socket = socket
@@ -38,6 +41,17 @@ class AgentProcess:
                 pass
             time.sleep(0.02)
         raise AssertionError("agent did not become ready")
+
+    def __enter__(self) -> AgentProcess:
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def status(self) -> dict[str, Any]:
         return agent_status(self.socket)
@@ -92,6 +106,36 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout:.0f}s"
         time.sleep(0.02)
+
+
+def in_child_as(uid: int, gid: int, work: Callable[[], dict[str, Any]],
+                failed: Callable[[BaseException], dict[str, Any]]) -> dict[str, Any]:
+    """What `work()` returns when run in a forked child as uid:gid (no supplementary groups).
+
+    Forked, not spawned: the interpreter is loaded already, so the child needs no access to it
+    (root's Python is not readable by others). An exception in the child, dropping privileges
+    included, comes back as `failed(exception)`; the child never returns into the test run.
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            try:
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                result = work()
+            except BaseException as e:  # noqa: BLE001 -- reported to the parent, never raised in a fork
+                result = failed(e)
+            os.write(w, json.dumps(result).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    os.waitpid(pid, 0)
+    return json.loads(out)
 
 
 def fd_count(pid: int) -> int:

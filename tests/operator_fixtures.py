@@ -6,7 +6,10 @@
 - kmock helpers: declare the resources kopf and the operator touch, write a
   kubeconfig pointing at the emulator, create/patch objects through its HTTP API
   (so watchers see the events), and wait for conditions without blocking the
-  event loop the emulator runs in.
+  event loop the emulator runs in;
+- ``emulated_cluster`` (the emulator, KUBECONFIG at it, a client) and
+  ``running_operator`` (the real operator in kopf's ``KopfRunner`` thread against the
+  emulator), each for as long as an ``async with`` block runs.
 """
 from __future__ import annotations
 
@@ -16,12 +19,16 @@ import copy
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from kopf.testing import KopfRunner
+    from weightcache_operator.config import OperatorConfig
 
 REPO = Path(__file__).resolve().parent.parent
 CRD_PATH = REPO / "crds" / "weightcache.io_weightcaches.yaml"
@@ -35,6 +42,8 @@ POD_RESOURCE = "v1/pods"
 EVENT_RESOURCE = "v1/events"
 SA_RESOURCE = "v1/serviceaccounts"
 RB_RESOURCE = "rbac.authorization.k8s.io/v1/rolebindings"
+
+POLL = 0.5  # seconds between the operator's polls of the agents in kmock tests (the lowest the config allows)
 
 
 def load_crd() -> dict[str, Any]:
@@ -244,6 +253,12 @@ class KubeClient:
     async def close(self) -> None:
         await self._session.close()
 
+    async def __aenter__(self) -> KubeClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def create(self, resource: str, body: dict[str, Any]) -> dict[str, Any]:
         path = collection_path(resource, body["metadata"]["namespace"])
         async with self._session.post(path, json=body) as r:
@@ -286,6 +301,47 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: st
             last_error = e
         await asyncio.sleep(0.05)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}" + (f" ({last_error!r})" if last_error else ""))
+
+
+@contextlib.asynccontextmanager
+async def emulated_cluster(kmock: Any, tmp_path: Path, monkeypatch: Any,
+                           declare: Callable[[Any], None] = declare_resources) -> AsyncIterator[KubeClient]:
+    """The emulator with the resources ``declare`` names, KUBECONFIG pointing kopf and the operator at
+    it, and a client of its API (closed when the block ends)."""
+    declare(kmock)
+    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))))
+    async with KubeClient(kmock.url) as client:
+        yield client
+
+
+@contextlib.asynccontextmanager
+async def running_operator(kmock: Any, watched: str, *, config: OperatorConfig | None = None,
+                           timeout: float = 30.0) -> AsyncIterator[KopfRunner]:
+    """Run the operator until the block ends, as ``weightcache operator`` runs it
+    (``build_registry`` + ``build_settings``) in kopf's ``KopfRunner`` thread.
+
+    The block starts only once kopf watches the ``watched`` collection (a plural such as
+    ``weightcaches``), so objects the test creates from then on reach the handlers as events.
+    ``config`` defaults to polling the agents every ``POLL`` seconds, 1 s per HTTP request.
+    """
+    # kopf only here: the CRD, chart and manifest tests share this module without running it.
+    from kopf.testing import KopfRunner
+    from weightcache_operator.config import OperatorConfig
+    from weightcache_operator.handlers import build_registry, build_settings
+
+    registry, _ = build_registry(config or OperatorConfig(poll_interval=POLL, agent_http_timeout=1.0))
+    before = len(requests_of(kmock, "GET", watched))
+    runner = KopfRunner(["run", "--standalone", "--all-namespaces"], registry=registry,
+                        settings=build_settings(), timeout=30)
+    runner.__enter__()
+    try:
+        # The watch request is a GET with ?watch=true on the collection.
+        await wait_for(lambda: any(r.params.get("watch") for r in requests_of(kmock, "GET", watched)[before:]),
+                       timeout=timeout, what=f"kopf's watch on {watched}")
+        yield runner
+    finally:
+        # KopfRunner joins its thread; do that off the loop so the emulator keeps serving.
+        await asyncio.to_thread(runner.__exit__, None, None, None)
 
 
 def requests_of(kmock: Any, method: str, plural: str, *, name: str | None = None,

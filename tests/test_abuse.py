@@ -18,13 +18,13 @@ import time
 
 import pytest
 
-from abuse_fixtures import LoggedAgent, ask, disk_tensors, drain, frame, no_traceback, raw, right_bytes, serves_correctly
+from abuse_fixtures import LoggedAgent, ask, drain, frame, no_traceback, raw, right_bytes, serves_correctly
+from abuse_fixtures import disk, model  # noqa: F401 (fixtures)
 from agent_fixtures import wait_for
 from weightcache_agent import protocol
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.serve.agent import sidecar_path
 from weightcache_agent.spec import CacheSpec
-from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 HANDSHAKE = 1.0
 MAX_PENDING = 16
@@ -32,16 +32,6 @@ MAX_LEASES = 24
 FUZZ_FRAMES = int(os.environ.get("WEIGHTCACHE_FUZZ_FRAMES", "10000"))
 FUZZ_SEED = int(os.environ.get("WEIGHTCACHE_FUZZ_SEED", "20261130"))
 FUZZ_SECONDS = 60.0
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=1))
-
-
-@pytest.fixture(scope="module")
-def disk(model):
-    return disk_tensors(model)
 
 
 @pytest.fixture(scope="module")

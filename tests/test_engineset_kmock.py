@@ -21,25 +21,24 @@ import pytest_asyncio
 from kopf.testing import KopfRunner
 from operator_fixtures import (
     POD_RESOURCE,
+    POLL,
     WC_RESOURCE,
     AgentServer,
     KubeClient,
     agent_pod,
     condition,
     declare_resources,
+    emulated_cluster,
     events_for,
     get_object,
     requests_of,
+    running_operator,
     wait_for,
     weightcache,
-    write_kubeconfig,
 )
-from weightcache_operator.config import OperatorConfig
-from weightcache_operator.handlers import build_registry, build_settings
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
-POLL = 0.5
 ES_RESOURCE = "weightcache.io/v1alpha1/enginesets"
 CLAIM_RESOURCE = "resource.k8s.io/v1/resourceclaims"
 SVC_RESOURCE = "v1/services"
@@ -114,30 +113,15 @@ async def kubelet(cluster: KubeClient, kmock: Any, name: str) -> dict[str, Any]:
     })
 
 
-@contextlib.asynccontextmanager
-async def operator(kmock: Any) -> AsyncIterator[None]:
-    registry, _ = build_registry(OperatorConfig(poll_interval=POLL, agent_http_timeout=1.0))
-    before = len(requests_of(kmock, "GET", "enginesets"))
-    runner = KopfRunner(["run", "--standalone", "--all-namespaces"], registry=registry,
-                        settings=build_settings(), timeout=30)
-    runner.__enter__()
-    try:
-        await wait_for(lambda: any(r.params.get("watch") for r in requests_of(kmock, "GET", "enginesets")[before:]),
-                       timeout=30, what="kopf's watch on enginesets")
-        yield
-    finally:
-        await asyncio.to_thread(runner.__exit__, None, None, None)
+def operator(kmock: Any) -> contextlib.AbstractAsyncContextManager[KopfRunner]:
+    """Run the operator until the block ends; starts only once kopf watches EngineSets."""
+    return running_operator(kmock, "enginesets", timeout=30.0)
 
 
 @pytest_asyncio.fixture()
 async def cluster(kmock: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeClient]:
-    declare(kmock)
-    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))))
-    client = KubeClient(kmock.url)
-    try:
+    async with emulated_cluster(kmock, tmp_path, monkeypatch, declare) as client:
         yield client
-    finally:
-        await client.close()
 
 
 async def create_device_class(cluster: KubeClient, name: str = "gpu.nvidia.com") -> None:

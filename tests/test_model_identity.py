@@ -22,12 +22,8 @@ from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, wri
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("identity")
     model = write_llama_checkpoint(str(root / "tiny-llama"), LlamaShape(num_hidden_layers=1))
-    agent = AgentProcess(model, str(root / "a.sock"), "--revision", "v1")
-    try:
-        agent.wait_ready()
+    with AgentProcess(model, str(root / "a.sock"), "--revision", "v1") as agent:
         yield model, agent
-    finally:
-        agent.stop()
 
 
 def skeleton(model: str):

@@ -26,56 +26,35 @@ from operator_fixtures import (
     DS_RESOURCE,
     LLAMA_SPEC,
     POD_RESOURCE,
+    POLL,
     WC_RESOURCE,
     AgentServer,
     KubeClient,
     agent_pod,
     agent_status,
     condition,
-    declare_resources,
+    emulated_cluster,
     events_for,
     get_object,
     requests_of,
+    running_operator,
     wait_for,
     weightcache,
     write_kubeconfig,
 )
-from weightcache_operator.config import OperatorConfig
-from weightcache_operator.handlers import build_registry, build_settings
 from weightcache_operator.manifests import ANNOTATION_SPEC_HASH
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 
-POLL = 0.5  # seconds between polls of the agents (the lowest the config allows)
-
-
-@contextlib.asynccontextmanager
-async def operator(kmock: Any) -> AsyncIterator[KopfRunner]:
+def operator(kmock: Any) -> contextlib.AbstractAsyncContextManager[KopfRunner]:
     """Run the operator until the block ends; starts only once kopf watches WeightCaches."""
-    registry, _ = build_registry(OperatorConfig(poll_interval=POLL, agent_http_timeout=1.0))
-    before = len(requests_of(kmock, "GET", "weightcaches"))
-    runner = KopfRunner(["run", "--standalone", "--all-namespaces"], registry=registry,
-                        settings=build_settings(), timeout=30)
-    runner.__enter__()
-    try:
-        # The watch request is a GET with ?watch=true on the WeightCache collection.
-        await wait_for(lambda: any(r.params.get("watch") for r in requests_of(kmock, "GET", "weightcaches")[before:]),
-                       what="kopf's watch on weightcaches")
-        yield runner
-    finally:
-        # KopfRunner joins its thread; do that off the loop so the emulator keeps serving.
-        await asyncio.to_thread(runner.__exit__, None, None, None)
+    return running_operator(kmock, "weightcaches", timeout=10.0)
 
 
 @pytest_asyncio.fixture()
 async def cluster(kmock: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[KubeClient]:
-    declare_resources(kmock)
-    monkeypatch.setenv("KUBECONFIG", str(write_kubeconfig(tmp_path / "kubeconfig", str(kmock.url))))
-    client = KubeClient(kmock.url)
-    try:
+    async with emulated_cluster(kmock, tmp_path, monkeypatch) as client:
         yield client
-    finally:
-        await client.close()
 
 
 def ds_of(kmock: Any, name: str) -> dict[str, Any] | None:

@@ -70,12 +70,8 @@ ENGINE = textwrap.dedent("""
 def agent(tmp_path_factory):
     root = tmp_path_factory.mktemp("ro")
     model = write_llama_checkpoint(str(root / "m"), LlamaShape(num_hidden_layers=2))
-    served = AgentProcess(model, str(root / "a.sock"), "--backend", "cpu")
-    try:
-        served.wait_ready()
+    with AgentProcess(model, str(root / "a.sock"), "--backend", "cpu") as served:
         yield model, served
-    finally:
-        served.stop()
 
 
 def engine(model: str, sock: str, how: str) -> subprocess.CompletedProcess:

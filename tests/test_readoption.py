@@ -1,8 +1,11 @@
 """A restarted agent takes its arena back from a still-attached engine instead of the disk."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,58 +18,66 @@ def model(tmp_path_factory) -> str:
     return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=2))
 
 
+class Restart:
+    """An agent that loaded `model` on `tmp_path/agent.sock`; in the `with` block an engine (the probe) is
+    attached to it, the test kills it and starts its successor on the same socket. When the block ends the
+    engine is closed and the successor stopped (its exit code must be 0 with `clean_exit`)."""
+
+    def __init__(self, model: str, tmp_path: Path, *, clean_exit: bool = True) -> None:
+        self.model, self.sock, self.clean_exit = model, str(tmp_path / "agent.sock"), clean_exit
+        self.record = os.path.join(tmp_path, ".agent.sock.prepared")
+        self.first = AgentProcess(model, self.sock)
+        self.first.wait_ready()
+        self.second: AgentProcess | None = None
+
+    def __enter__(self) -> Restart:
+        self.probe = Probe(self.model, self.sock)
+        return self
+
+    def kill_first(self) -> None:
+        self.first.proc.kill()
+        self.first.proc.wait()
+
+    def start_second(self, *extra: str) -> dict[str, Any]:
+        """The successor on the same socket; its status once ready."""
+        self.second = AgentProcess(self.model, self.sock, *extra)
+        return self.second.wait_ready()
+
+    def __exit__(self, *exc: object) -> None:
+        self.probe.close()
+        if self.second is not None:
+            code = self.second.stop()
+            if self.clean_exit:
+                assert code == 0
+
+
 def test_restarted_agent_adopts_the_arena_without_reading_disk(model, tmp_path):
-    sock = str(tmp_path / "agent.sock")
-    first = AgentProcess(model, sock)
-    first.wait_ready()
-    probe = Probe(model, sock)
-    second = None
-    try:
-        first.proc.kill()
-        first.proc.wait()
-        wait_for(lambda: probe.ask("status")["agent_alive"] is False)
-        second = AgentProcess(model, sock)
-        status = second.wait_ready()
+    with Restart(model, tmp_path) as run:
+        run.kill_first()
+        wait_for(lambda: run.probe.ask("status")["agent_alive"] is False)
+        status = run.start_second()
         assert status["adopted"] is True
         assert status["progress"]["bytes_done"] == 0, "the restarted agent read weights from disk"
         assert status["load_seconds"] < 2.0
-        wait_for(lambda: probe.ask("status")["agent_alive"])
-        assert probe.ask("status")["rejoins"] == 1
-        assert [c["pid"] for c in second.status()["clients"]] == [probe.hello["pid"]]
-        newcomer = Probe(model, sock)  # served from the adopted arena
-        try:
+        wait_for(lambda: run.probe.ask("status")["agent_alive"])
+        assert run.probe.ask("status")["rejoins"] == 1
+        assert [c["pid"] for c in run.second.status()["clients"]] == [run.probe.hello["pid"]]
+        with contextlib.closing(Probe(model, run.sock)) as newcomer:  # served from the adopted arena
             assert newcomer.ask("verify") == {"identical": True}
-            assert newcomer.ask("touch")["checksum"] == probe.ask("touch")["checksum"]
-        finally:
-            newcomer.close()
-        assert probe.ask("verify") == {"identical": True}
-    finally:
-        probe.close()
-        if second is not None:
-            assert second.stop() == 0
+            assert newcomer.ask("touch")["checksum"] == run.probe.ask("touch")["checksum"]
+        assert run.probe.ask("verify") == {"identical": True}
 
 
 def test_agent_restarted_with_another_spec_loads_from_disk_and_refuses_the_rejoin(model, tmp_path):
-    sock = str(tmp_path / "agent.sock")
-    first = AgentProcess(model, sock)
-    first.wait_ready()
-    probe = Probe(model, sock)
-    second = None
-    try:
-        first.proc.kill()
-        first.proc.wait()
-        second = AgentProcess(model, sock, "--dtype", "float16")
-        status = second.wait_ready()
+    with Restart(model, tmp_path, clean_exit=False) as run:
+        run.kill_first()
+        status = run.start_second("--dtype", "float16")
         assert status["adopted"] is False
         assert status["progress"]["bytes_done"] > 0
         time.sleep(0.3)  # the probe knocks, is refused, and gives up
-        assert probe.ask("status")["agent_alive"] is False
-        assert second.status()["clients"] == []
-        assert probe.ask("verify") == {"identical": True}
-    finally:
-        probe.close()
-        if second is not None:
-            second.stop()
+        assert run.probe.ask("status")["agent_alive"] is False
+        assert run.second.status()["clients"] == []
+        assert run.probe.ask("verify") == {"identical": True}
 
 
 def test_clean_shutdown_without_engines_leaves_nothing_to_adopt(model, tmp_path):
@@ -93,33 +104,24 @@ def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path)
     from weightcache_agent import CacheSpec, protocol
     from weightcache_agent.load.fingerprint import engine_request
 
-    sock = str(tmp_path / "agent.sock")
-    first = AgentProcess(model, sock)
-    first.wait_ready()
-    assert _maps_torch(first.proc.pid), "a cold load runs torch code: the check below would prove nothing"
-    probe = Probe(model, sock)
-    second = None
-    try:
-        wait_for(lambda: os.path.exists(os.path.join(tmp_path, ".agent.sock.prepared")), what="the record")
-        first.proc.kill()
-        first.proc.wait()
-        wait_for(lambda: probe.ask("status")["agent_alive"] is False)
+    run = Restart(model, tmp_path)
+    assert _maps_torch(run.first.proc.pid), "a cold load runs torch code: the check below would prove nothing"
+    with run:
+        wait_for(lambda: os.path.exists(run.record), what="the record")
+        run.kill_first()
+        wait_for(lambda: run.probe.ask("status")["agent_alive"] is False)
         started = time.monotonic()
-        second = AgentProcess(model, sock)
-        status = second.wait_ready()
+        status = run.start_second()
         serving = time.monotonic() - started
         assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
         assert status["tensors"] > 0 and status["fingerprint"]
-        newcomer = Probe(model, sock)
-        try:
+        with contextlib.closing(Probe(model, run.sock)) as newcomer:
             assert newcomer.ask("verify") == {"identical": True}
-        finally:
-            newcomer.close()
-        assert not _maps_torch(second.proc.pid), "the restarted agent loaded torch"
+        assert not _maps_torch(run.second.proc.pid), "the restarted agent loaded torch"
         assert serving < 5.0, f"process start -> serving took {serving:.2f}s"
 
         # Another spec: its fields need the checkpoint, parsed on demand; the agent keeps serving.
-        conn = protocol.connect(sock)
+        conn = protocol.connect(run.sock)
         try:
             protocol.send_message(conn, {"type": "attach", "pid": 0, "role": "standby", "group": None, "pod": None,
                                          "request": engine_request(CacheSpec(model=model, dtype="float16"))})
@@ -128,37 +130,19 @@ def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path)
             conn.close()
         assert (reply["type"], reply["code"], fds) == ("error", "fingerprint_mismatch", [])
         assert reply["engine_fields"]["dtype"] == "float16" and reply["fields"]["dtype"] == "bfloat16"
-        assert second.status()["phase"] == "ready"
-    finally:
-        probe.close()
-        if second is not None:
-            assert second.stop() == 0
+        assert run.second.status()["phase"] == "ready"
 
 
 def test_a_stale_record_is_not_served_from(model, tmp_path):
     """Files touched since the record was written: the restarted agent plans from the checkpoint (and
     still adopts: the content is the same)."""
-    sock = str(tmp_path / "agent.sock")
-    first = AgentProcess(model, sock)
-    first.wait_ready()
-    probe = Probe(model, sock)
-    second = None
-    try:
-        wait_for(lambda: os.path.exists(os.path.join(tmp_path, ".agent.sock.prepared")), what="the record")
-        first.proc.kill()
-        first.proc.wait()
+    with Restart(model, tmp_path) as run:
+        wait_for(lambda: os.path.exists(run.record), what="the record")
+        run.kill_first()
         config = os.path.join(model, "config.json")
         os.utime(config, ns=(time.time_ns(), time.time_ns()))  # same bytes, another signature
-        second = AgentProcess(model, sock)
-        status = second.wait_ready()
+        status = run.start_second()
         assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
-        assert _maps_torch(second.proc.pid), "planned from the checkpoint: torch was expected"
-        newcomer = Probe(model, sock)
-        try:
+        assert _maps_torch(run.second.proc.pid), "planned from the checkpoint: torch was expected"
+        with contextlib.closing(Probe(model, run.sock)) as newcomer:
             assert newcomer.ask("verify") == {"identical": True}
-        finally:
-            newcomer.close()
-    finally:
-        probe.close()
-        if second is not None:
-            assert second.stop() == 0

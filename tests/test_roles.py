@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from agent_fixtures import Probe, wait_for
+from agent_fixtures import Probe, in_child_as, wait_for
 from weightcache_agent import protocol
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -98,32 +98,18 @@ def switchover(socket: str, group: str, to_pod: str, as_user: str | None = None)
             return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES)[0]
         finally:
             conn.close()
-    # A forked child that drops to another uid: the interpreter is loaded already, so the
-    # child needs no access to it (root's Python is not readable by others).
     user = pwd.getpwnam(as_user)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+
+    def ask() -> dict:
+        conn = protocol.connect(socket)
+        conn.settimeout(5)
+        protocol.send_message(conn, {"type": "switchover", "group": group, "to_pod": to_pod})
         try:
-            os.setgroups([])
-            os.setgid(user.pw_gid)
-            os.setuid(user.pw_uid)
-            conn = protocol.connect(socket)
-            conn.settimeout(5)
-            protocol.send_message(conn, {"type": "switchover", "group": group, "to_pod": to_pod})
-            try:
-                answer = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES)[0]
-            except (EOFError, OSError, protocol.ProtocolError) as e:
-                answer = {"type": "closed", "error": str(e)}
-        except BaseException as e:
-            answer = {"type": "child-failed", "error": repr(e)}
-        os.write(write, json.dumps(answer).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as f:
-        body = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(body)
+            return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES)[0]
+        except (EOFError, OSError, protocol.ProtocolError) as e:
+            return {"type": "closed", "error": str(e)}
+
+    return in_child_as(user.pw_uid, user.pw_gid, ask, lambda e: {"type": "child-failed", "error": repr(e)})
 
 
 def test_two_replicas_each_with_its_own_device_and_socket(node):

@@ -17,8 +17,9 @@ import time
 
 import pytest
 
-from abuse_fixtures import LoggedAgent, ask, disk_tensors, no_traceback, raw, serves_correctly
-from agent_fixtures import Probe, wait_for
+from abuse_fixtures import LoggedAgent, ask, no_traceback, raw, serves_correctly
+from abuse_fixtures import disk, model  # noqa: F401 (fixtures)
+from agent_fixtures import Probe, in_child_as, wait_for
 from weightcache_agent import protocol
 from weightcache_agent.errors import CheckpointError
 from weightcache_agent.load.checkpoint import open_checkpoint
@@ -26,19 +27,8 @@ from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.load.sharding import _load_rules_file
 from weightcache_agent.serve.agent import sidecar_path
 from weightcache_agent.spec import CacheSpec
-from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 OTHER_UID = 54321  # no such user needs to exist: the kernel only checks numbers
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
-    return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=1))
-
-
-@pytest.fixture(scope="module")
-def disk(model):
-    return disk_tensors(model)
 
 
 def sealed_memfd(size: int, fill: int) -> int:
@@ -249,34 +239,21 @@ def test_a_deleted_lock_file_does_not_let_a_second_agent_take_the_socket(agent, 
 
 def connect_as(uid: int, gid: int, path: str) -> dict:
     """Connect to `path` from a forked child running as uid:gid (no supplementary groups); what it saw."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: only the socket calls below, then _exit
-        result: dict = {}
+    def connect() -> dict:
+        s = raw(path)
+        result = {"connected": True}
         try:
-            os.close(r)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            s = raw(path)
-            result["connected"] = True
-            try:
-                protocol.send_message(s, {"type": "status"})
-                reply, _ = protocol.recv_message(s, protocol.MAX_REPLY_BYTES)
-                result.update(reply=reply["type"], code=reply.get("code"))
-            except (OSError, EOFError, protocol.ProtocolError):
-                result.update(reply=None, code=None)
-        except OSError as e:
-            result = {"connected": False, "errno": e.errno}
-        except BaseException as e:  # noqa: BLE001 -- reported to the parent, never raised in a fork
-            result = {"error": repr(e)}
-        os.write(w, json.dumps(result).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(out)
+            protocol.send_message(s, {"type": "status"})
+            reply, _ = protocol.recv_message(s, protocol.MAX_REPLY_BYTES)
+            result.update(reply=reply["type"], code=reply.get("code"))
+        except (OSError, EOFError, protocol.ProtocolError):
+            result.update(reply=None, code=None)
+        return result
+
+    def failed(e: BaseException) -> dict:
+        return {"connected": False, "errno": e.errno} if isinstance(e, OSError) else {"error": repr(e)}
+
+    return in_child_as(uid, gid, connect, failed)
 
 
 def hold_lease_as(uid: int, gid: int, path: str, message: dict) -> tuple[int, dict, int]:

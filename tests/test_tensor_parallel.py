@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,9 @@ from weightcache_agent.testing.synthetic import LlamaShape, llama_tensors, write
 from weightcache_agent.testing.synthetic_moe import fp8_config, prequantize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.append(os.path.join(HERE, "..", "bench"))  # appended: nothing there shadows a test helper
+from tcp_rendezvous import rendezvous  # noqa: E402 (the benchmark's, stdlib only)
+
 # Every TP=2 split falls on the 128 grid of block FP8: q/k/v rows 256 -> 128 per rank, o_proj columns
 # 256 -> 128, gate/up rows and down_proj columns 512 -> 256.
 SHAPE = LlamaShape(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -50,20 +52,6 @@ def workdir():
 @pytest.fixture(scope="module")
 def model(workdir) -> str:
     return write_llama_checkpoint(os.path.join(workdir, "model"), SHAPE, seed=1)
-
-
-def rendezvous() -> str:
-    """tcp://127.0.0.1:P with P and P+1 free (P+1 carries the rank link)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return f"tcp://127.0.0.1:{port}"
-        except OSError:
-            continue
 
 
 def tp1_reference(model: str, quantization: str) -> tuple[torch.Tensor, list[int]]:

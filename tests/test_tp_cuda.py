@@ -12,19 +12,17 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
 import torch
 
 from test_supervisor import Node
-from test_tensor_parallel import PROMPT, SHAPE, rendezvous
+from test_tensor_parallel import PROMPT, rendezvous
+from test_tensor_parallel import model, workdir  # noqa: F401 (fixtures: the same checkpoint)
 from weightcache_agent import CacheSpec
-from weightcache_agent.testing.synthetic import write_llama_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,18 +36,6 @@ def _two_gpus() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _two_gpus(), reason="needs two CUDA GPUs and cuda-bindings")
-
-
-@pytest.fixture(scope="module")
-def workdir():
-    path = tempfile.mkdtemp(prefix="wc-tpc-", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def model(workdir) -> str:
-    return write_llama_checkpoint(os.path.join(workdir, "model"), SHAPE, seed=1)
 
 
 @pytest.fixture(scope="module")
