@@ -241,6 +241,8 @@ def test_config_from_env_matches_chart_names() -> None:
         OperatorConfig.from_env({"WEIGHTCACHE_MODEL_ROOT": "relative/path"})
     with pytest.raises(ValueError):
         OperatorConfig.from_env({"WEIGHTCACHE_AGENT_PRIVILEGED": "maybe"})
+    with pytest.raises(ValueError, match=r"^\$WEIGHTCACHE_POLL_INTERVAL='ten' is not a number of seconds$"):
+        OperatorConfig.from_env({"WEIGHTCACHE_POLL_INTERVAL": "ten"})
 
 
 def test_socket_paths_fit_a_unix_socket_address_whatever_the_names() -> None:

@@ -25,6 +25,13 @@ AGENT_HTTP_PORT = 9464
 ENV_PREFIX = "WEIGHTCACHE_"
 
 
+def _env_seconds(name: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"${name}={value!r} is not a number of seconds") from None
+
+
 def _env_bool(value: str) -> bool:
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -94,9 +101,9 @@ class OperatorConfig:
         if (v := get("MODEL_ROOT")):
             kwargs["model_root"] = v
         if (v := get("POLL_INTERVAL")):
-            kwargs["poll_interval"] = float(v)
+            kwargs["poll_interval"] = _env_seconds(ENV_PREFIX + "POLL_INTERVAL", v)
         if (v := get("AGENT_HTTP_TIMEOUT")):
-            kwargs["agent_http_timeout"] = float(v)
+            kwargs["agent_http_timeout"] = _env_seconds(ENV_PREFIX + "AGENT_HTTP_TIMEOUT", v)
         if (v := get("CONTROL_KEY_FILE")):
             with open(v, "rb") as f:
                 kwargs["control_key"] = f.read().strip()
