@@ -16,14 +16,17 @@ import json
 import os
 import pwd
 import signal
+import socket as socket_module
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from agent_fixtures import Probe, in_child_as, wait_for
-from weightcache_agent import protocol
+from weightcache_agent import CacheSpec, agent_status, protocol
+from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 TOKEN = "a-control-token-for-tests"
@@ -153,6 +156,52 @@ def test_auto_roles_pod_identity_and_a_planned_switchover(node):
     finally:
         for probe in (first, second, other):
             probe.close()
+
+
+def raw_lease(socket: str, model: str, role: str, group: str, pod: str) -> socket_module.socket:
+    """An engine's lease spoken by hand: attach, drop the arena's fd, keep the connection."""
+    conn = protocol.connect(socket)
+    conn.settimeout(10)
+    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group,
+                                 "pod": {"namespace": "ns", "name": pod, "uid": f"uid-{pod}"},
+                                 "request": engine_request(CacheSpec(model=model))})
+    reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    for fd in fds:
+        os.close(fd)
+    assert reply["type"] == "manifest" and reply["role"] == role, reply
+    return conn
+
+
+def test_a_group_shows_a_primary_throughout_a_switchover(node):
+    """Until the successor acknowledges its promotion, the old primary has not been told to step
+    down and still serves: status says so, never a group with no primary."""
+    model, socket_dir, _ = node
+    sock, group = os.path.join(socket_dir, "cpu-0.sock"), "ns/chat-9"
+    old = raw_lease(sock, model, "primary", group, "slow-0")
+    new = raw_lease(sock, model, "standby", group, "slow-1")
+    replies: list[dict] = []
+    try:
+        asker = threading.Thread(target=lambda: replies.append(switchover(sock, group, "slow-1")))
+        asker.start()
+        told, _ = protocol.recv_message(new, protocol.MAX_REPLY_BYTES)
+        assert told["type"] == "promote" and told["planned"], told
+
+        def roles() -> dict[str, str]:
+            return {c["pod"]["name"]: c["role"] for c in agent_status(sock)["clients"] if c["group"] == group}
+
+        assert roles() == {"slow-0": "primary", "slow-1": "promoting"}  # the successor does not serve yet
+        old.settimeout(0.2)
+        with pytest.raises(socket_module.timeout):  # and the old primary has not been told anything
+            protocol.recv_message(old, protocol.MAX_REPLY_BYTES)
+        protocol.send_message(new, {"type": "promoted", "group": group})
+        asker.join(10)
+        assert replies and replies[0]["ok"], replies
+        old.settimeout(10)
+        assert protocol.recv_message(old, protocol.MAX_REPLY_BYTES)[0]["type"] == "demote"
+        assert roles() == {"slow-0": "standby", "slow-1": "primary"}
+    finally:
+        old.close()
+        new.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a peer as another uid")

@@ -84,9 +84,13 @@ class Lease:
     # primary yet, so nothing may route to it (status says "promoting").
     promoting: threading.Event = field(default_factory=threading.Event)
     acknowledged: threading.Event = field(default_factory=threading.Event)
+    # Set while a planned switchover has made this primary a standby in the books but has not
+    # told its engine yet (that comes once the successor serves): the engine still serves as
+    # primary, and status says so, so no reader ever sees a group without one.
+    demoting: threading.Event = field(default_factory=threading.Event)
 
     def to_json(self) -> dict[str, Any]:
-        role = "promoting" if self.promoting.is_set() else self.role
+        role = "promoting" if self.promoting.is_set() else "primary" if self.demoting.is_set() else self.role
         return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": role, "group": self.group, "pod": self.pod,
                 "attached_at": self.since}
 
@@ -869,6 +873,7 @@ class Agent:
                 if target is not None:
                     target.role = "primary"
                 for lease in old:
+                    lease.demoting.set()
                     lease.role = "standby"
         if target is None and not demote_only:
             protocol.send_message(conn, protocol.error_message(
@@ -878,6 +883,7 @@ class Agent:
             "type": "promote", "group": group, "planned": True, "previous_pid": old[0].pid if old else None})
         for lease in old:  # after the promotion: make before break
             _try_lease_send(lease, {"type": "demote", "group": group, "successor_pid": target.pid if target else None})
+            lease.demoting.clear()
         seconds = time.perf_counter() - started
         log.info("switchover of group %s to %s in %.2fms", group,
                  f"pid={target.pid}" if target else "another agent's engine", seconds * 1e3)
