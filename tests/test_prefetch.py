@@ -31,6 +31,15 @@ def test_order_comes_from_the_index_and_foreign_names_are_dropped(tmp_path):
     assert shard_paths(str(tmp_path / "missing")) == []
 
 
+def cached(path: str, length: int) -> float:
+    """The share of the first `length` bytes of `path` in the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return cached_share(fd, 0, length)
+    finally:
+        os.close(fd)
+
+
 def test_reads_ahead_within_its_lead_to_the_last_file_then_ends(tmp_path):
     model = _shards(tmp_path, [3 * CHUNK, 2 * CHUNK])
     paths = shard_paths(model)
@@ -49,20 +58,12 @@ def test_reads_ahead_within_its_lead_to_the_last_file_then_ends(tmp_path):
     while prefetch.read < 3 * CHUNK and time.monotonic() < deadline:
         time.sleep(0.01)
     assert prefetch.read == 3 * CHUNK
-    fd = os.open(paths[0], os.O_RDONLY)
-    try:
-        assert cached_share(fd, 0, 3 * CHUNK) > 0.9, "what was read ahead is not in the page cache"
-    finally:
-        os.close(fd)
+    assert cached(paths[0], 3 * CHUNK) > 0.9, "what was read ahead is not in the page cache"
     done[0] = 3 * CHUNK  # caught up: the read-ahead keeps going, right ahead of the fill, to the end
     prefetch._thread.join(10)
     assert not prefetch._thread.is_alive(), "the read-ahead did not end after the last file"
     assert prefetch.read == 5 * CHUNK
-    fd = os.open(paths[1], os.O_RDONLY)
-    try:
-        assert cached_share(fd, 0, 2 * CHUNK) > 0.9, "the last file was not read ahead"
-    finally:
-        os.close(fd)
+    assert cached(paths[1], 2 * CHUNK) > 0.9, "the last file was not read ahead"
 
 
 def test_a_fifo_in_place_of_a_shard_is_not_waited_on(tmp_path):
