@@ -2,9 +2,9 @@
 
 A cold load from process start can go no faster than the one stream that reads the files
 (load/prefetch.py). Each row drops the files from the page cache (`posix_fadvise` per
-file, and `drop_caches` when root), then times, in a fresh process, one way of reading
-every byte: the raw read (one thread, `preadv` into a 64 MiB buffer: the cold-load
-benchmarks' baseline), the read-ahead alone at a given request size, and the read-ahead
+file, and `drop_caches` when root: `page_cache.drop_cache`), then times, in a fresh process, one way of reading
+every byte: the raw read (`page_cache.raw_read`, one thread, 64 MiB reads: the
+cold-load benchmarks' baseline), the read-ahead alone at a given request size, and the read-ahead
 beside what an agent does while it starts (import torch, make the CUDA context when there
 is a GPU, plan the load from the headers).
 
@@ -21,17 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 RAW = """
-import os, time
+import os, sys
+sys.path.insert(0, BENCH)
+from page_cache import raw_read
 from weightcache_agent.load.prefetch import shard_paths
-t, n, buf = time.monotonic(), 0, bytearray(64 << 20)
-view = memoryview(buf)
-for path in shard_paths(MODEL):
-    fd, pos = os.open(path, os.O_RDONLY), 0
-    while (k := os.preadv(fd, [view], pos)):
-        pos += k
-        n += k
-    os.close(fd)
-print(n, time.monotonic() - t)
+paths = shard_paths(MODEL)
+print(sum(os.path.getsize(p) for p in paths), raw_read(paths))
 """
 
 READ_AHEAD = """
@@ -50,19 +45,8 @@ print(ahead.read, ahead.seconds)  # its own start to its last byte
 """
 
 
-def drop(paths: list[str]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    if os.geteuid() == 0:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-
-
 def timed(code: str, model: str, **values: object) -> tuple[int, float]:
-    prelude = "".join(f"{k} = {v!r}\n" for k, v in {"MODEL": model, **values}.items())
+    prelude = "".join(f"{k} = {v!r}\n" for k, v in {"MODEL": model, "BENCH": HERE, **values}.items())
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "node_agent"),
                                                        os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", prelude + code], env=env, check=True, capture_output=True, text=True)
@@ -76,15 +60,16 @@ def main() -> None:
     p.add_argument("--chunks", default="16,64", help="read-ahead request sizes to try, MiB")
     args = p.parse_args()
     sys.path.insert(0, os.path.join(ROOT, "node_agent"))
+    from page_cache import drop_cache
     from weightcache_agent.load.prefetch import shard_paths
 
     paths = shard_paths(os.path.abspath(args.model))
     rows: list[tuple[str, int, float]] = []
-    drop(paths)
-    rows.append(("raw: one thread, 64 MiB preadv", *timed(RAW, args.model)))
+    drop_cache(paths)
+    rows.append(("raw: one thread, 64 MiB reads", *timed(RAW, args.model)))
     for mib in (int(c) for c in args.chunks.split(",")):
         for beside in (False, True):
-            drop(paths)
+            drop_cache(paths)
             what = f"read-ahead, {mib} MiB requests" + (", beside torch + CUDA context + plan" if beside else "")
             rows.append((what, *timed(READ_AHEAD, args.model, CHUNK=mib << 20, BESIDE_STARTUP=beside)))
     raw = rows[0][2]
