@@ -37,7 +37,8 @@ import time
 
 import torch
 from weightcache_agent.load.loader import load_cache
-from weightcache_agent.load.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES, default_readers, default_workers, direct_io_mode
+from weightcache_agent.load.pipeline import default_workers
+from weightcache_agent.load.reading import DIRECT_IO_ENV, DIRECT_IO_MODES, default_readers, direct_io_mode
 from weightcache_agent.spec import CacheSpec
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 

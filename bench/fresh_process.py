@@ -241,15 +241,17 @@ def main() -> int:
         drop_cache(files)
         cold = Agent(cold_model, os.path.join(tmp, f"cold-{quant}.sock"), args.backend, "--quantization", quant)
         st = cold.ready()
+        torch_in_cold = cold.torch_loaded()
         cold.stop()
         wall = st["wall_seconds"]
-        result[f"cold_{quant}"] = {"raw_s": raw, "wall_s": wall, "load_s": st["load_seconds"],
+        result[f"cold_{quant}"] = {"raw_s": raw, "wall_s": wall, "load_s": st["load_seconds"], "torch_loaded": torch_in_cold,
                                    "peak_rss_bytes": st.get("peak_rss_bytes"),
                                    "prefetched_bytes": st.get("prefetched_bytes"),
                                    "breakdown": st.get("load_breakdown")}
         rows.append((f"cold load, {quant}, {size / 2**30:.1f} GiB: process start -> serving (raw read just before: "
                      f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s)",
-                     f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s", f"{raw / wall:.2f} of raw"))
+                     f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s",
+                     f"{raw / wall:.2f} of raw; torch {'loaded' if torch_in_cold else 'not loaded'}"))
         phases = ", ".join(f"{k} {v:.2f}" for k, v in (st.get("load_breakdown") or {}).items()
                            if k in ("prepare", "fill", "prefetch"))
         rows.append((f"  agent peak RSS during it; bytes read ahead of the fill (s since load start: {phases})",

@@ -142,6 +142,12 @@ def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def maps_libtorch(pid: int) -> bool:
+    """Whether the process has torch's library mapped: it imported torch."""
+    with open(f"/proc/{pid}/maps") as f:
+        return any("libtorch" in line for line in f)
+
+
 def map_count(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
         return sum(1 for _ in f)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from weightcache_agent.arena.cpu import map_readonly
+from weightcache_agent.load.dtypes import torch_dtype
 from weightcache_agent.load.loader import LoadedCache, load_cache
 from weightcache_agent.spec import CacheSpec
 
@@ -18,7 +19,7 @@ from weightcache_agent.spec import CacheSpec
 def arena_tensors(cache: LoadedCache) -> dict[str, torch.Tensor]:
     """Every slot of a loaded (sealed) arena as a tensor, through a read-only mapping of its fd."""
     base = map_readonly(cache.arena.fd, cache.layout.size)
-    return {s.name: base[s.offset : s.offset + s.nbytes].view(s.dtype).view(s.shape) for s in cache.layout.slots}
+    return {s.name: base[s.offset : s.offset + s.nbytes].view(torch_dtype(s.dtype)).view(s.shape) for s in cache.layout.slots}
 
 
 def load(model: str, **spec: Any) -> tuple[LoadedCache, dict[str, torch.Tensor]]:

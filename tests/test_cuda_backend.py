@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess
+from agent_fixtures import AgentProcess, maps_libtorch
 from weightcache_agent.load import fp8
 from weightcache_agent.load.cuda_fill import quantize_blocks
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
@@ -121,14 +121,16 @@ def gpu_model(tmp_path_factory) -> str:
     return write_llama_checkpoint(str(tmp_path_factory.mktemp("gpu") / "m"), shape)
 
 
-def _arena(model: str, sock: str, backend: str, quant: str, tmp_path, name: str) -> dict:
+def _arena(model: str, sock: str, backend: str, quant: str, tmp_path, name: str) -> tuple[dict, bool]:
+    """The arena's tensors as an engine sees them, and whether the agent imported torch to load it."""
     agent = AgentProcess(model, sock, "--backend", backend, "--quantization", quant)
     try:
         agent.wait_ready(300)
+        loaded_torch = maps_libtorch(agent.proc.pid)
         engine = Engine(model, sock, quant, dump=str(tmp_path / f"{name}.pt"))
         assert engine.ask("dump") == {"dumped": True}
         engine.stop()
-        return torch.load(tmp_path / f"{name}.pt")
+        return torch.load(tmp_path / f"{name}.pt"), loaded_torch
     finally:
         agent.stop()
 
@@ -136,11 +138,47 @@ def _arena(model: str, sock: str, backend: str, quant: str, tmp_path, name: str)
 @cuda
 @pytest.mark.parametrize("quant", ["none", "fp8-block"])
 def test_cuda_arena_holds_the_same_bytes_as_the_cpu_arena(gpu_model, tmp_path, quant):
-    on_gpu = _arena(gpu_model, str(tmp_path / "g.sock"), "cuda", quant, tmp_path, "gpu")
-    on_cpu = _arena(gpu_model, str(tmp_path / "c.sock"), "cpu", quant, tmp_path, "cpu")
+    on_gpu, gpu_agent_torch = _arena(gpu_model, str(tmp_path / "g.sock"), "cuda", quant, tmp_path, "gpu")
+    on_cpu, _ = _arena(gpu_model, str(tmp_path / "c.sock"), "cpu", quant, tmp_path, "cpu")
+    # copied as they are, or quantized from bf16 on the host: through the driver alone, no torch
+    assert not gpu_agent_torch
     assert on_gpu.keys() == on_cpu.keys()
     for name in on_cpu:
         assert torch.equal(on_gpu[name].view(torch.uint8), on_cpu[name].view(torch.uint8)), name
+
+
+@cuda
+@pytest.mark.parametrize("source,quant,dtype", [
+    (torch.bfloat16, "none", "auto"),  # the driver's copies
+    (torch.bfloat16, "fp8-block", "auto"),  # the C quantizer on the readers, then the driver's copies
+    (torch.bfloat16, "none", "float16"),  # torch kernels: a cast
+    (torch.float16, "fp8-block", "auto"),  # torch kernels: FP8 from another dtype than bf16
+])
+def test_each_gpu_fill_writes_the_bytes_of_the_cpu_loader(tmp_path, source, quant, dtype):
+    from weightcache_agent.arena.cpu import map_readonly
+    from weightcache_agent.arena.cuda import CudaArena, map_readonly_cuda
+    from weightcache_agent.arena.devices import cuda_uuid
+    from weightcache_agent.load.loader import fill_cache, load_cache, prepare_cache
+    from weightcache_agent.spec import CacheSpec
+
+    shape = LlamaShape(hidden_size=512, intermediate_size=1408, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=4096)
+    spec = CacheSpec(model=write_llama_checkpoint(str(tmp_path / "m"), shape, dtype=source, shards=2),
+                     quantization=quant, dtype=dtype)
+    prepared = prepare_cache(spec)
+    uuid = cuda_uuid(0)
+    on_gpu = fill_cache(prepared, CudaArena(prepared.layout.size, 0, uuid))
+    on_cpu = load_cache(spec)
+    try:
+        assert on_gpu.layout.layout_hash == on_cpu.layout.layout_hash
+        gpu = map_readonly_cuda(on_gpu.arena.fd, on_gpu.arena.size, uuid).cpu()
+        cpu = map_readonly(on_cpu.arena.fd, on_cpu.layout.size)
+        for slot in on_cpu.layout.slots:
+            span = slice(slot.offset, slot.offset + slot.nbytes)
+            assert torch.equal(gpu[span], cpu[span]), slot.name
+    finally:
+        on_gpu.arena.close()
+        on_cpu.arena.close()
 
 
 @cuda

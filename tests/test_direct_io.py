@@ -24,7 +24,8 @@ import torch
 from weightcache_agent.arena.cpu import map_readonly
 from weightcache_agent.errors import CheckpointError, OutOfMemory
 from weightcache_agent.load.loader import LoadProgress, new_cpu_arena, prepare_cache
-from weightcache_agent.load.pipeline import _gather, fill_arena
+from weightcache_agent.load.pipeline import fill_arena
+from weightcache_agent.load.reading import gather
 from weightcache_agent.spec import CacheSpec
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -277,5 +278,5 @@ def test_gather_takes_runs_apart_where_the_stride_changes():
             ranges.append((100 + pos, at, 7))
             at += 7
     dest = torch.zeros(at, dtype=torch.uint8)
-    _gather(src, 100, ranges, dest)
+    gather(src, 100, ranges, dest)
     assert dest.tolist() == [(row * 50 + c + k) % 256 for row in range(4) for c in (3, 20) for k in range(7)]

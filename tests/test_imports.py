@@ -44,6 +44,30 @@ def test_operator_command_runs_without_torch():
     assert "--all-namespaces" in proc.stdout
 
 
+def test_the_gpu_cold_path_plans_without_torch(tmp_path):
+    """Headers, plan and layout need no torch, and the GPU fill of bf16 weights, copied or quantized,
+    is the driver's: an agent loading them never reads torch's libraries off the disk it loads from."""
+    from weightcache_agent.load.loader import prepare_cache
+    from weightcache_agent.spec import CacheSpec
+    from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+
+    model = write_llama_checkpoint(str(tmp_path / "m"), LlamaShape(), shards=2)
+    proc = run({"torch", "safetensors"}, f"""
+        from weightcache_agent.load.cuda_fill import _driver_fills
+        from weightcache_agent.load.loader import prepare_cache
+        from weightcache_agent.spec import CacheSpec
+        for quant in ("none", "fp8-block"):
+            prepared = prepare_cache(CacheSpec(model={model!r}, quantization=quant))
+            assert _driver_fills(prepared.plan), quant
+            print(prepared.layout.layout_hash)
+        print(_driver_fills(prepare_cache(CacheSpec(model={model!r}, dtype="float16")).plan))
+    """)
+    assert proc.returncode == 0, proc.stderr
+    # the same layouts as planned beside torch; a cast is left to torch's kernels
+    expected = [prepare_cache(CacheSpec(model=model, quantization=q)).layout.layout_hash for q in ("none", "fp8-block")]
+    assert proc.stdout.split() == [*expected, "False"]
+
+
 def test_lazy_torch_modules_import_it_where_they_use_it():
     """Modules that import torch only inside functions (so that an agent starts without it) must do so in
     every function that uses it: a name `torch` left to the module's globals is a NameError on a GPU only."""

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from agent_fixtures import AgentProcess, Probe, wait_for
+from agent_fixtures import AgentProcess, Probe, maps_libtorch, wait_for
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 
@@ -93,11 +93,6 @@ def test_clean_shutdown_without_engines_leaves_nothing_to_adopt(model, tmp_path)
     second.stop()
 
 
-def _maps_torch(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return any("libtorch" in line for line in f)
-
-
 def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path):
     """Status, the rejoin and a newcomer's attach come from the predecessor's record: torch is never
     loaded into the restarted agent, until a request for another spec needs the checkpoint parsed."""
@@ -105,7 +100,7 @@ def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path)
     from weightcache_agent.load.fingerprint import engine_request
 
     run = Restart(model, tmp_path)
-    assert _maps_torch(run.first.proc.pid), "a cold load runs torch code: the check below would prove nothing"
+    assert maps_libtorch(run.first.proc.pid), "a cold load runs torch code: the check below would prove nothing"
     with run:
         wait_for(lambda: os.path.exists(run.record), what="the record")
         run.kill_first()
@@ -117,7 +112,7 @@ def test_restarted_agent_serves_the_adopted_arena_without_torch(model, tmp_path)
         assert status["tensors"] > 0 and status["fingerprint"]
         with contextlib.closing(Probe(model, run.sock)) as newcomer:
             assert newcomer.ask("verify") == {"identical": True}
-        assert not _maps_torch(run.second.proc.pid), "the restarted agent loaded torch"
+        assert not maps_libtorch(run.second.proc.pid), "the restarted agent loaded torch"
         assert serving < 5.0, f"process start -> serving took {serving:.2f}s"
 
         # Another spec: its fields need the checkpoint, parsed on demand; the agent keeps serving.
@@ -143,6 +138,6 @@ def test_a_stale_record_is_not_served_from(model, tmp_path):
         os.utime(config, ns=(time.time_ns(), time.time_ns()))  # same bytes, another signature
         status = run.start_second()
         assert status["adopted"] is True and status["progress"]["bytes_done"] == 0
-        assert _maps_torch(run.second.proc.pid), "planned from the checkpoint: torch was expected"
+        assert status["planned_from"] == "checkpoint"
         with contextlib.closing(Probe(model, run.sock)) as newcomer:
             assert newcomer.ask("verify") == {"identical": True}

@@ -18,6 +18,7 @@ import time
 import pytest
 import torch
 
+from agent_fixtures import maps_libtorch
 from engine_fixtures import wait_until
 from test_supervisor import Node
 from weightcache_agent import CacheSpec, agent_status, protocol
@@ -183,11 +184,6 @@ def arena_bytes(sock: str, spec: CacheSpec) -> torch.Tensor:
         conn.close()
 
 
-def torch_mapped(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return any("libtorch" in line for line in f)
-
-
 def test_second_replica_is_copied_from_the_first(model, workdir):
     node = Node(model, os.path.join(workdir, "replicas"), "--replicas", "2", tp_size=1)
     try:
@@ -199,7 +195,7 @@ def test_second_replica_is_copied_from_the_first(model, workdir):
         assert copied["load_breakdown"]["peer_copy"] > 0
         # The copy took its plan from the first replica's record: no header read, no torch in that process.
         assert (loaded["planned_from"], copied["planned_from"]) == ("checkpoint", "peer")
-        assert torch_mapped(loaded["pid"]) and not torch_mapped(copied["pid"])
+        assert maps_libtorch(loaded["pid"]) and not maps_libtorch(copied["pid"])
         assert copied["layout_hash"] == loaded["layout_hash"]
         spec = CacheSpec(model=model)
         a, b = arena_bytes(first["socket"], spec), arena_bytes(second["socket"], spec)

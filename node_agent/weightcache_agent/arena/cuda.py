@@ -249,13 +249,19 @@ class CudaArena:
             cu.cuMemRelease(self._handle)
             raise
 
+    def writable_ptr(self) -> int:
+        """The device address of a writable mapping of the whole arena for the loader, valid until `seal()`."""
+        _activate(self.ordinal)
+        if self._writer is None:
+            self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
+        return int(self._writer.ptr)
+
     def device_tensor(self) -> "torch.Tensor":
-        """A writable uint8 view of the whole arena for the loader, valid until `seal()`."""
+        """The same writable mapping as a uint8 tensor (the fill's casts and quantization run on it)."""
         import torch
 
         torch.cuda.set_device(self.ordinal)  # the fill's streams and kernels run on this device
-        if self._writer is None:
-            self._writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
+        self.writable_ptr()
         return self._writer.tensor()
 
     def copy_from(self, source: "PeerView", nbytes: int) -> None:
@@ -271,11 +277,11 @@ class CudaArena:
             writer.release()
 
     def seal(self) -> None:
-        """Finish pending copies and drop the agent's writable mapping."""
-        if self._writer is not None:  # only a filled arena has one, and only a fill imported torch
-            import torch
-
-            torch.cuda.synchronize(self.ordinal)
+        """Finish pending copies (every stream of the context: the driver's and torch's) and drop the
+        agent's writable mapping."""
+        if self._writer is not None:
+            _activate(self.ordinal)
+            _call(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
             self._writer.release()
             self._writer = None
 

@@ -31,7 +31,10 @@ def _driver_uuids() -> list[str] | None:
     except ImportError:
         return None
     ok = cu.CUresult.CUDA_SUCCESS
-    if cu.cuInit(0)[0] != ok:
+    try:
+        if cu.cuInit(0)[0] != ok:
+            return []
+    except RuntimeError:  # cuda-bindings installed on a machine without the driver (no libcuda.so.1)
         return []
     err, count = cu.cuDeviceGetCount()
     if err != ok:

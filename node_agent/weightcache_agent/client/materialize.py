@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..errors import AttachError
-from ..load.checkpoint import dtype_from_name
+from ..load.dtypes import torch_dtype
 from .rebind import bind_manifest, gc_paused, manifest_views
 
 _swap = torch._C._swap_tensor_impl
@@ -209,7 +209,7 @@ def _casts(modules: dict[str, nn.Module], columns: dict[str, list]) -> tuple[lis
             current = owner._buffers.get(leaf)
         if current is None or not current.is_meta or tuple(current.shape) != tuple(shape):
             continue
-        cache_dtype = dtype_from_name(dtype_key)
+        cache_dtype = torch_dtype(dtype_key)
         if current.dtype == cache_dtype or not (current.is_floating_point() and cache_dtype.is_floating_point):
             continue
         if current.dim() <= CAST_MAX_DIMS:

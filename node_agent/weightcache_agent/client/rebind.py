@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from ..load.checkpoint import dtype_from_name
+from ..load.dtypes import torch_dtype
 from ..errors import AttachError
 
 try:
@@ -97,7 +97,7 @@ def _forms(base: torch.Tensor, forms: list) -> list[tuple]:
     for dtype_key, shape, stride in forms:
         whole = typed.get(dtype_key)
         if whole is None:
-            whole = typed[dtype_key] = base.view(dtype_from_name(dtype_key))
+            whole = typed[dtype_key] = base.view(torch_dtype(dtype_key))
         out.append((whole.as_strided, tuple(shape), tuple(stride), whole.element_size(), whole.dtype))
     return out
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..load.checkpoint import dtype_from_name
+from ..load.dtypes import torch_dtype
 
 FP8_BLOCK = 128  # block-wise FP8: one fp32 scale per 128x128 tile of a weight
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -92,7 +92,7 @@ class ModelConfig:
                 model_type=model_type,
                 rope_scaling=raw.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None),
                 eos_token_id=_as_tuple(raw.get("eos_token_id")),
-                dtype=dtype or dtype_from_name(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
+                dtype=dtype or torch_dtype(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
                 quantization=quantization,
                 tp_size=tp_size,
             )

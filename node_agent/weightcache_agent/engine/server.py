@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 from ..client.env import socket_from_env
 from ..client.session import Attachment, attach
 from ..protocol import parse_json
-from ..load.checkpoint import dtype_from_name, open_checkpoint
+from ..load.checkpoint import open_checkpoint
+from ..load.dtypes import torch_dtype
 from ..load.fingerprint import resolved_dtype
 from .hf_model import load_transformers_model, native
 from .model import CausalLM, ModelConfig, build_model
@@ -79,7 +80,7 @@ class BadRequest(Exception):
 
 def model_config(spec: CacheSpec) -> ModelConfig:
     """The model's config, with the dtype the loader will give non-quantized tensors."""
-    dtype = dtype_from_name(resolved_dtype(spec, open_checkpoint(spec.model)))
+    dtype = torch_dtype(resolved_dtype(spec, open_checkpoint(spec.model)))
     return ModelConfig.from_pretrained(spec.model, dtype=dtype, quantization=spec.quantization, tp_size=spec.tp_size)
 
 

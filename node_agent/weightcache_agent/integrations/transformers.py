@@ -47,7 +47,8 @@ from ..client.materialize import Materialize, Pending
 from ..client.session import Attachment, attach
 from ..errors import AttachError
 from ..load import fp8
-from ..load.checkpoint import dtype_from_name, open_checkpoint
+from ..load.checkpoint import open_checkpoint
+from ..load.dtypes import torch_dtype
 from ..load.fingerprint import resolved_dtype
 from ..spec import CacheSpec
 
@@ -119,7 +120,7 @@ def build_meta(spec: CacheSpec) -> PreTrainedModel:
         config = AutoConfig.from_pretrained(spec.model)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{spec.model}: transformers cannot read its config.json: {e}") from None
-    dtype = dtype_from_name(resolved_dtype(spec, open_checkpoint(spec.model)))
+    dtype = torch_dtype(resolved_dtype(spec, open_checkpoint(spec.model)))
     if type(config) not in AutoModelForCausalLM._model_mapping:
         raise ValueError(f"{spec.model}: model_type {config.model_type!r} is not a causal LM that transformers "
                          f"{transformers.__version__} knows (AutoModelForCausalLM has no class for {type(config).__name__})")

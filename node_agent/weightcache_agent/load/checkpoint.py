@@ -16,44 +16,11 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError
+from .dtypes import DTYPES, DType
 # also imported from here by engines and tests
 from .signature import (INDEX_FILE, MAX_HEADER_BYTES, _identity, _shard_files, content_identity,  # noqa: F401
                         file_signature, open_regular)
-
-# safetensors dtype code -> torch dtype
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _code, _name in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64")):
-    if hasattr(torch, _name):
-        DTYPES[_code] = getattr(torch, _name)
-
-DTYPE_NAMES: dict[str, torch.dtype] = {str(dt).removeprefix("torch."): dt for dt in DTYPES.values()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    try:
-        return DTYPE_NAMES[name]
-    except KeyError:
-        raise CheckpointError(f"unknown dtype {name!r}; known: {', '.join(sorted(DTYPE_NAMES))}") from None
 
 
 @dataclass(frozen=True)
@@ -62,7 +29,7 @@ class TensorRecord:
 
     name: str
     file: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     start: int  # absolute offset of the first byte in `file`
     nbytes: int
@@ -86,9 +53,9 @@ class Checkpoint:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
 
-    def floating_dtype(self) -> torch.dtype | None:
+    def floating_dtype(self) -> DType | None:
         """The floating dtype holding most bytes: what `dtype=auto` resolves to."""
-        by_dtype: dict[torch.dtype, int] = {}
+        by_dtype: dict[DType, int] = {}
         for record in self.tensors.values():
             if record.dtype.is_floating_point and record.dtype.itemsize > 1:
                 by_dtype[record.dtype] = by_dtype.get(record.dtype, 0) + record.nbytes

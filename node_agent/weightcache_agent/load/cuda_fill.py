@@ -1,15 +1,24 @@
-"""The cold path into GPU memory: disk -> pinned staging -> async H2D -> (quantize) -> arena.
+"""The cold path into GPU memory: disk -> pinned staging -> async H2D -> (cast / quantize) -> arena.
 
-The jobs, the shard segments and the readers are the cpu pipeline's (pipeline.py: jobs in
+The jobs, the shard segments and the readers are the cpu pipeline's (reading.py: jobs in
 file order, O_DIRECT for cold bytes, buffered for bytes the page cache holds); only the
 sink differs. A few reader threads (`default_readers`) each take the next job, read it
-into one of their two pinned host buffers and queue its copy (and cast or FP8
-quantization) on their own CUDA stream, then take the next job while the GPU works: a
-request is always in flight, so the disk never waits for a reader's copy or for the
-GPU, and a buffer is reused only after the event recorded behind its copy has fired. Quantization runs on the GPU, vectorised over whole pieces, and produces the same
-bytes as the cpu path (power-of-two scales make every step exact but the final e4m3
-rounding, which both devices do the same way). Non-finite weights are flagged on the
-device and reported, by tensor name, after one synchronisation at the end.
+into one of their two pinned host buffers and queue its copy on their own stream, then
+take the next job while the GPU works: a request is always in flight, so the disk never
+waits for a reader's copy or for the GPU, and a buffer is reused only after the event
+recorded behind its copy has fired.
+
+Two sinks. `_DriverSink` goes through the CUDA driver alone (`cuMemHostAlloc`,
+`cuMemcpyHtoDAsync`, events), so the agent never imports torch: importing torch reads
+gigabytes of libraries from the disk the checkpoint is being read from, and costs a cold
+load seconds. It fills every plan that copies bytes as they are (the usual case, and every
+pre-quantized checkpoint) or quantizes bf16 to FP8: the reader thread runs the C quantizer
+(`fp8.quantize_bf16_at`, no GIL) into a second pinned buffer and copies the result. A cast,
+or FP8 from another dtype, runs as torch kernels on the GPU (`_TorchSink`), vectorised
+over whole pieces. Both produce the bytes of the cpu path (power-of-two scales make every
+step exact but the final e4m3 rounding, which every quantizer does the same way).
+Non-finite weights are refused by tensor name: at once by the C quantizer, after one
+synchronisation at the end on the GPU.
 """
 from __future__ import annotations
 
@@ -17,16 +26,16 @@ import ctypes
 import threading
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from . import fp8
 from ..errors import CheckpointError
-from .layout import ArenaLayout
+from .dtypes import BFLOAT16, torch_dtype
+from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
-from .pipeline import (ALIGN, STAGING_BYTES, _Files, _Job, _JobFeed, _LockedProgress, _Reader, _rows, _up,
-                       default_readers)
+from .reading import ALIGN, STAGING_BYTES, Files, Job, JobFeed, LockedProgress, Reader, align_up, default_readers, rows_of
 
 if TYPE_CHECKING:
+    import torch
+
     from ..arena.cuda import CudaArena
 
 BUFFERS_PER_READER = 2
@@ -38,6 +47,8 @@ def quantize_blocks(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -
     Same arithmetic as `fp8.quantize_rows`, all blocks at once. Returns a 0-d bool tensor
     on the device: True if `src` held a non-finite value (checked later, without a sync).
     """
+    import torch
+
     rows, cols = src.shape
     rb, cb = scale.shape
     work = src if src.dtype == torch.bfloat16 else src.float()
@@ -54,80 +65,217 @@ def quantize_blocks(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor) -
     return bad
 
 
-def _pinned(nbytes: int) -> tuple[torch.Tensor, memoryview]:
-    """A page-aligned pinned host buffer (O_DIRECT reads land in it), as a tensor and a memoryview."""
-    whole = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=True)
-    skip = -whole.data_ptr() % ALIGN
-    buf = whole[skip : skip + nbytes]
-    return buf, memoryview((ctypes.c_char * nbytes).from_address(buf.data_ptr())).cast("B")
+def _host_view(ptr: int, nbytes: int) -> memoryview:
+    return memoryview((ctypes.c_char * nbytes).from_address(ptr)).cast("B")
+
+
+class _DriverSink:
+    """One reader's pinned buffers, stream and events, through the CUDA driver alone (no torch).
+
+    Plain bytes are copied as they are. A bf16 piece to quantize (`_driver_fills` admits no
+    other transform) is quantized on the reader's own thread by the C quantizer, without the
+    GIL, into a second pinned buffer -- e4m3 rows, then their scale rows -- and that is copied:
+    the same bytes as the GPU kernels and the cpu backend, at several GB/s per thread."""
+
+    def __init__(self, arena: "CudaArena", slots: dict[str, TensorSlot], buffer_bytes: int):
+        from ..arena.cuda import _activate, _call, _driver
+
+        self._cu, self._call = _driver(), _call
+        _activate(arena.ordinal)  # the current context is per thread
+        self.base, self.slots = arena.writable_ptr(), slots
+        self.stream = self._call(self._cu.cuStreamCreate(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        # the driver's pinned allocations are page-aligned, as O_DIRECT reads need
+        self._hosts = [self._alloc(buffer_bytes) for _ in range(BUFFERS_PER_READER)]
+        self.buffers = [_host_view(ptr, buffer_bytes) for ptr in self._hosts]
+        self._outs: list[tuple[int, int] | None] = [None] * BUFFERS_PER_READER  # (address, size) of quantized bytes
+        self._events: list[Any] = [None] * BUFFERS_PER_READER
+        self._oneoff: list[int] = []  # buffers of the one job that outgrew the staging buffers
+
+    def _alloc(self, nbytes: int) -> int:
+        return self._call(self._cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
+
+    def wait(self, k: int) -> None:
+        if self._events[k] is not None:
+            self._call(self._cu.cuEventSynchronize(self._events[k]), "cuEventSynchronize")
+
+    def oneoff(self, nbytes: int) -> memoryview:
+        self._oneoff.append(self._alloc(nbytes))
+        return _host_view(self._oneoff[-1], nbytes)
+
+    def _out(self, k: int | None, nbytes: int) -> int:
+        """A pinned buffer of `nbytes` for buffer k's quantized bytes (its previous copy has left it: `wait`)."""
+        if k is None:
+            self._oneoff.append(self._alloc(nbytes))
+            return self._oneoff[-1]
+        held = self._outs[k]
+        if held is None or held[1] < nbytes:
+            if held is not None:
+                self._cu.cuMemFreeHost(held[0])
+                self._outs[k] = None
+            self._outs[k] = held = (self._alloc(nbytes), nbytes)
+        return held[0]
+
+    def _h2d(self, offset: int, src: int, nbytes: int) -> None:
+        self._call(self._cu.cuMemcpyHtoDAsync(self.base + offset, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+
+    def copy(self, job: Job, k: int | None, skip: int, nbytes: int, row_bytes: int) -> None:
+        item = job.item
+        slot = self.slots[item.name]
+        src = (self._hosts[k] if k is not None else self._oneoff[-1]) + skip
+        if item.transform == "read":
+            self._h2d(slot.offset + job.lo * row_bytes, src, nbytes)
+        else:  # fp8 of whole 128-row blocks of bf16: their scales are whole rows of the scale slot
+            rows, cols = job.hi - job.lo, item.shard.shape[1]
+            scale_slot = self.slots[fp8.scale_name(item.name)]
+            scale_row = scale_slot.shape[1] * 4
+            scale_bytes = -(-rows // fp8.BLOCK) * scale_row
+            at = align_up(rows * cols)  # the scales after the e4m3 rows
+            out = self._out(k, at + scale_bytes)
+            fp8.quantize_bf16_at(src, out, out + at, rows, cols, item.name)
+            self._h2d(slot.offset + job.lo * cols, out, rows * cols)
+            self._h2d(scale_slot.offset + job.lo // fp8.BLOCK * scale_row, out + at, scale_bytes)
+        if k is None:
+            self._call(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            self._free_oneoff()
+            return
+        if self._events[k] is None:
+            self._events[k] = self._call(self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+                                         "cuEventCreate")
+        self._call(self._cu.cuEventRecord(self._events[k], self.stream), "cuEventRecord")
+
+    def _free_oneoff(self) -> None:
+        while self._oneoff:
+            self._cu.cuMemFreeHost(self._oneoff.pop())
+
+    def close(self) -> None:
+        """Wait for every copy out of the buffers, then free them."""
+        if self.stream is None:
+            return
+        self._cu.cuStreamSynchronize(self.stream)
+        for event in self._events:
+            if event is not None:
+                self._cu.cuEventDestroy(event)
+        self._free_oneoff()
+        for ptr in self._hosts + [held[0] for held in self._outs if held is not None]:
+            self._cu.cuMemFreeHost(ptr)
+        self._cu.cuStreamDestroy(self.stream)
+        self.stream = None
+
+
+def _driver_fills(plan: list["PlannedTensor"]) -> bool:
+    """Whether the driver sink can fill this plan: bytes as they are, or bf16 quantized by the C quantizer."""
+    return all(p.transform == "read" or (p.transform == "fp8" and p.source.dtype == BFLOAT16
+                                         and fp8.native_quantizer(p.shard.shape[1])) for p in plan)
+
+
+class _TorchSink:
+    """One reader's pinned buffers and stream as torch objects: copies, casts and quantization."""
+
+    def __init__(self, arena: "CudaArena", slots: dict[str, TensorSlot], buffer_bytes: int, dest: "torch.Tensor",
+                 flags: list):
+        import torch
+
+        self.torch, self.slots, self.dest, self.flags = torch, slots, dest, flags
+        self.device = torch.device("cuda", arena.ordinal)
+        torch.cuda.set_device(self.device)  # the current device is per thread
+        self.stream = torch.cuda.Stream(self.device)
+        pinned = [self._pinned(buffer_bytes) for _ in range(BUFFERS_PER_READER)]
+        self._hosts = [host for host, _ in pinned]
+        self.buffers = [view for _, view in pinned]
+        self._events: list[Any] = [None] * BUFFERS_PER_READER
+        self._oneoff: "torch.Tensor | None" = None
+
+    def _pinned(self, nbytes: int) -> tuple["torch.Tensor", memoryview]:
+        """A page-aligned pinned host buffer (O_DIRECT reads land in it), as a tensor and a memoryview."""
+        whole = self.torch.empty(nbytes + ALIGN, dtype=self.torch.uint8, pin_memory=True)
+        skip = -whole.data_ptr() % ALIGN
+        buf = whole[skip : skip + nbytes]
+        return buf, _host_view(buf.data_ptr(), nbytes)
+
+    def wait(self, k: int) -> None:
+        if self._events[k] is not None:
+            self._events[k].synchronize()
+
+    def oneoff(self, nbytes: int) -> memoryview:
+        """A buffer for one 128-row block wider than a staging buffer: used once (`copy` with k None)."""
+        self._oneoff, view = self._pinned(nbytes)
+        return view
+
+    def copy(self, job: Job, k: int | None, skip: int, nbytes: int, row_bytes: int) -> None:
+        host = self._hosts[k] if k is not None else self._oneoff
+        with self.torch.cuda.stream(self.stream):
+            bad = _sink(job, host[skip : skip + nbytes], self.dest, self.slots, row_bytes, self.device)
+            if bad is not None:
+                self.flags.append((job.item.name, bad))
+            event = self.torch.cuda.Event()
+            event.record(self.stream)
+        if k is None:
+            event.synchronize()
+            self._oneoff = None
+        else:
+            self._events[k] = event
+
+    def close(self) -> None:
+        self.stream.synchronize()
 
 
 def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["PlannedTensor"], progress: "LoadProgress",
                     staging_bytes: int = STAGING_BYTES, readers: int | None = None, read_ahead: Any = None) -> None:
-    """Read and transform every planned tensor into its slot of the device arena (module docstring).
+    """Read (and cast or quantize) every planned tensor into its slot of the device arena (module docstring).
 
-    `read_ahead`: a read-ahead of the files to read behind (`_Files.for_fill`)."""
-    device = torch.device("cuda", arena.ordinal)
-    dest = arena.device_tensor()
+    `read_ahead`: a read-ahead of the files to read behind (`Files.for_fill`)."""
     slots = {slot.name: slot for slot in layout.slots}
-    files = _Files.for_fill(read_ahead)
-    progress_ = _LockedProgress(progress)
+    files = Files.for_fill(read_ahead)
+    progress_ = LockedProgress(progress)
     # Each pinned buffer takes exactly `staging_bytes` (torch's pinned allocator rounds a request up
     # to a power of two): an O_DIRECT read's aligned superset of a job, from any file offset, plus
     # the slack that aligns the buffer itself.
     pooled = staging_bytes - ALIGN
     job_bytes = staging_bytes - 2 * ALIGN
-    feed = _JobFeed(plan, slots, job_bytes, progress_)
-    flags: list[tuple[str, torch.Tensor]] = []
+    feed = JobFeed(plan, slots, job_bytes, progress_)
+    flags: list[tuple[str, Any]] = []
     errors: list[BaseException] = []
+    if _driver_fills(plan):
+        def new_sink() -> Any:
+            return _DriverSink(arena, slots, pooled)
+    else:
+        dest = arena.device_tensor()
+
+        def new_sink() -> Any:
+            return _TorchSink(arena, slots, pooled, dest, flags)
 
     def read_loop() -> None:
-        reader = _Reader(progress_, files, pooled)
-        stream = None
-        events: list[torch.cuda.Event | None] = [None] * BUFFERS_PER_READER
+        reader = Reader(progress_, files, pooled)
+        sink = None
         turn = 0
         try:
-            torch.cuda.set_device(device)  # the current device is per thread
-            stream = torch.cuda.Stream(device)
-            buffers = [_pinned(pooled) for _ in range(BUFFERS_PER_READER)]
+            sink = new_sink()
             while not errors:
                 job = feed.next()
                 if job is None:
                     break
-                row_bytes = _rows(job.item)[0] if job.piece else 1
+                row_bytes = rows_of(job.item)[0] if job.piece else 1
                 lo, hi = job.lo * row_bytes, job.hi * row_bytes
                 if hi > lo:
                     if hi - lo <= job_bytes:
                         k, turn = turn, (turn + 1) % BUFFERS_PER_READER
-                        if events[k] is not None:
-                            events[k].synchronize()  # its previous copy has left the buffer
-                        host, view = buffers[k]
-                    else:  # one 128-row block wider than a staging buffer: a one-off buffer
-                        k = None
-                        host, view = _pinned(_up(hi - lo) + ALIGN)
+                        sink.wait(k)  # its previous copy has left the buffer
+                        view = sink.buffers[k]
+                    else:
+                        k, view = None, sink.oneoff(align_up(hi - lo) + ALIGN)
                     direct = reader.direct(job.item, job.segments, lo, hi)
                     if direct is None:
                         reader.read(job.item, job.segments, lo, hi, view[: hi - lo])
                         skip = 0
                     else:
                         skip = reader.read_direct(direct, job.item, job.segments, lo, hi, view)
-                    with torch.cuda.stream(stream):
-                        bad = _sink(job, host[skip : skip + hi - lo], dest, slots, row_bytes, device)
-                        if bad is not None:
-                            flags.append((job.item.name, bad))
-                        event = torch.cuda.Event()
-                        event.record(stream)
-                    if k is not None:
-                        events[k] = event
-                    else:
-                        event.synchronize()
+                    sink.copy(job, k, skip, hi - lo, row_bytes)
                 feed.finish(job.item)
-            stream.synchronize()
         except BaseException as e:  # the other readers see it and stop; re-raised below
             errors.append(e)
-            if stream is not None:
-                stream.synchronize()  # nothing of ours may still be copying out of a buffer we drop
         finally:
+            if sink is not None:
+                sink.close()  # nothing of ours may still be copying out of a buffer we drop
             reader.close()
 
     threads = [threading.Thread(target=read_loop, name=f"cuda-fill-{k}", daemon=True)
@@ -149,12 +297,14 @@ def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["Planned
             raise CheckpointError(f"tensor {name!r}: non-finite values; cannot quantize")
 
 
-def _sink(job: "_Job", host: torch.Tensor, dest: torch.Tensor, slots: dict, row_bytes: int,
-          device: torch.device) -> torch.Tensor | None:
+def _sink(job: Job, host: "torch.Tensor", dest: "torch.Tensor", slots: dict, row_bytes: int,
+          device: "torch.device") -> "torch.Tensor | None":
     """Queue the copy (and transform) of `job`'s bytes, in pinned `host`, into the arena.
 
     A plain job is shard bytes [lo, hi) (`row_bytes` 1); a piece is rows [lo, hi).
     """
+    import torch
+
     item = job.item
     slot = slots[item.name]
     if item.transform == "read":
@@ -167,9 +317,9 @@ def _sink(job: "_Job", host: torch.Tensor, dest: torch.Tensor, slots: dict, row_
     n = r1 - r0
     staged = torch.empty(host.numel(), dtype=torch.uint8, device=device)
     staged.copy_(host, non_blocking=True)
-    src = staged.view(item.source.dtype)
+    src = staged.view(torch_dtype(item.source.dtype))
     lo = slot.offset + r0 * out_row
-    out = dest[lo : lo + n * out_row].view(item.dtype)
+    out = dest[lo : lo + n * out_row].view(torch_dtype(item.dtype))
     if item.transform == "cast":
         out.copy_(src)
         return None

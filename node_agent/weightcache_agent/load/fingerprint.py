@@ -37,7 +37,7 @@ QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
 def resolved_dtype(spec: CacheSpec, checkpoint: Checkpoint) -> str:
     if spec.dtype != "auto":
         return spec.dtype
-    from .checkpoint import dtype_name
+    from .dtypes import dtype_name
 
     found = checkpoint.floating_dtype()
     return dtype_name(found) if found is not None else "none"

@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, UnsupportedQuantization
 from ..quantization import check_quantization
 
 if TYPE_CHECKING:
+    import torch
+
     from .checkpoint import Checkpoint
 
 try:
@@ -36,7 +36,6 @@ except ImportError:  # built without a C compiler: the torch path gives the same
     _fp8cpu = None
 
 BLOCK = 128
-FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 SCALE_SUFFIX = "weight_scale_inv"
 
@@ -45,6 +44,16 @@ SCALE_SUFFIX = "weight_scale_inv"
 # q_a/q_b, kv_a_proj_with_mqa, kv_b) and Mixtral's w1/w2/w3. Routers (`mlp.gate`,
 # `block_sparse_moe.gate`) and `shared_expert_gate` do not match: they stay as they are.
 _LINEAR = re.compile(r"(^|\.)layers\.\d+\..*\.(\w+_proj|\w+_proj_with_mqa|w1|w2|w3)\.weight$")
+
+
+def __getattr__(name: str) -> Any:
+    """`FP8`, torch's float8_e4m3fn: resolved on first use, so that planning (which only names
+    tensors and shapes) imports no torch; the plan itself uses `dtypes.FP8_E4M3`."""
+    if name == "FP8":
+        import torch
+
+        return torch.float8_e4m3fn
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def quantizable(name: str, shape: tuple[int, ...]) -> bool:
@@ -59,6 +68,19 @@ def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
 
 
+def native_quantizer(cols: int) -> bool:
+    """Whether `quantize_bf16_at` takes rows `cols` wide (built, and within its per-row buffers)."""
+    return _fp8cpu is not None and cols <= 1 << 20
+
+
+def quantize_bf16_at(src: int, out: int, scale: int, rows: int, cols: int, name: str = "?") -> None:
+    """`quantize_rows` of bf16 [rows, cols] at host address `src` into e4m3 at `out` and fp32 scales at
+    `scale`, by the C extension (`native_quantizer` says when it applies): no torch, no GIL."""
+    bad = _fp8cpu.quantize_bf16(src, out, scale, rows, cols)
+    if bad >= 0:
+        raise CheckpointError(f"tensor {name!r}: non-finite values in rows {bad}..{min(bad + BLOCK, rows)}; cannot quantize")
+
+
 def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, name: str = "?",
                   native: bool = True) -> None:
     """Quantize `src` [R, C] into `out` (fp8, [R, C]) and `scale` (fp32, [ceil(R/128), ceil(C/128)]).
@@ -67,14 +89,13 @@ def quantize_rows(src: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, nam
     bf16 on the CPU goes through the `_fp8cpu` C extension where it was built (same bytes,
     ~2.5x faster per core, and without the GIL); `native=False` forces the torch path.
     """
+    import torch
+
     rows, cols = src.shape
-    if native and _fp8cpu is not None and _plain_cpu(src, torch.bfloat16) and _plain_cpu(out, FP8) \
+    if native and native_quantizer(cols) and _plain_cpu(src, torch.bfloat16) and _plain_cpu(out, torch.float8_e4m3fn) \
             and _plain_cpu(scale, torch.float32) and tuple(out.shape) == (rows, cols) \
-            and tuple(scale.shape) == scale_shape((rows, cols)) and cols <= 1 << 20:  # its per-row buffers
-        bad = _fp8cpu.quantize_bf16(src.data_ptr(), out.data_ptr(), scale.data_ptr(), rows, cols)
-        if bad >= 0:
-            raise CheckpointError(
-                f"tensor {name!r}: non-finite values in rows {bad}..{min(bad + BLOCK, rows)}; cannot quantize")
+            and tuple(scale.shape) == scale_shape((rows, cols)):
+        quantize_bf16_at(src.data_ptr(), out.data_ptr(), scale.data_ptr(), rows, cols, name)
         return
     full = cols // BLOCK * BLOCK
     # one scratch row group for the |x| bits, reused: a fresh allocation per group would
@@ -103,6 +124,8 @@ def _plain_cpu(t: torch.Tensor, dtype: torch.dtype) -> bool:
 
 def _block_amax(g: torch.Tensor, full: int, name: str, row: int, scratch: torch.Tensor | None) -> torch.Tensor:
     """max |x| of each 128-column block of the row group `g`, as fp32."""
+    import torch
+
     rows, cols = g.shape
     if g.dtype == torch.bfloat16 and g.is_contiguous() and scratch is not None:
         bits = scratch[: rows * cols].view(rows, cols)
@@ -130,6 +153,8 @@ def _block_amax(g: torch.Tensor, full: int, name: str, row: int, scratch: torch.
 
 def _pow2_exponent(amax: torch.Tensor) -> torch.Tensor:
     """Smallest k with amax <= 448 * 2^k, exactly (448 = 0.875 * 2^9; frexp gives amax = m * 2^e)."""
+    import torch
+
     mantissa, exponent = torch.frexp(amax)
     k = exponent - 9 + (mantissa > 0.875).to(exponent.dtype)
     k = torch.where(amax > 0, k, torch.zeros_like(k))  # all-zero block: scale 1

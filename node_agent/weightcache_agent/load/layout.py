@@ -12,10 +12,9 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import Any, Iterable
 
-if TYPE_CHECKING:  # no torch at import: a restarted agent checks a recorded layout's hash without it
-    import torch
+from .dtypes import DType, dtype_name
 
 # 256 bytes: the widest alignment a CUDA kernel or a vector load asks of a tensor start.
 TENSOR_ALIGNMENT = 256
@@ -24,7 +23,7 @@ TENSOR_ALIGNMENT = 256
 @dataclass(frozen=True)
 class TensorSlot:
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     offset: int
     kind: str = "weight"  # "weight": from the checkpoint; "extra": made by the loader (e.g. scales)
@@ -75,11 +74,7 @@ def hash_rows(size: int, rows: list[list[Any]]) -> str:
     return hashlib.sha256(json.dumps([size, rows], separators=(",", ":")).encode()).hexdigest()[:16]
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def lay_out(tensors: Iterable[tuple[str, torch.dtype, tuple[int, ...], str]], granularity: int = 4096) -> ArenaLayout:
+def lay_out(tensors: Iterable[tuple[str, DType, tuple[int, ...], str]], granularity: int = 4096) -> ArenaLayout:
     """Pack (name, dtype, shape, kind) at TENSOR_ALIGNMENT offsets; round the size up to `granularity`."""
     slots, offset = [], 0
     for name, dtype, shape, kind in tensors:

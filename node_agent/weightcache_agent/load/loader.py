@@ -16,15 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from . import fp8
-from .checkpoint import Checkpoint, TensorRecord, dtype_from_name, open_checkpoint
+from .checkpoint import Checkpoint, TensorRecord, open_checkpoint
+from .dtypes import FLOAT32, FP8_E4M3, dtype_from_name
 from ..arena.cpu import CpuArena, new_cpu_arena
 from ..errors import CheckpointError, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import ArenaLayout, lay_out
-from .pipeline import fill_arena
 from .plan import PlannedTensor
 from .progress import LoadProgress, gib, log_interval
 from ..quantization import check_quantization
@@ -66,13 +64,13 @@ def plan_tensors(checkpoint: Checkpoint, spec: CacheSpec) -> list[PlannedTensor]
         name, shape = record.name, shard.shape
         if name.endswith(SCALE_SUFFIX):
             planned.append(PlannedTensor(name, record.dtype, shape, record, "extra", shard))
-        elif prequantized and record.dtype == fp8.FP8:
+        elif prequantized and record.dtype == FP8_E4M3:
             _check_scale(checkpoint, record)
             planned.append(PlannedTensor(name, record.dtype, shape, record, "weight", shard))
         elif (spec.quantization == "fp8-block" and not prequantized and record.dtype.is_floating_point
               and fp8.quantizable(name, shape)):
-            planned.append(PlannedTensor(name, fp8.FP8, shape, record, "weight", shard, "fp8"))
-            planned.append(PlannedTensor(fp8.scale_name(name), torch.float32, fp8.scale_shape(shape), None, "extra"))
+            planned.append(PlannedTensor(name, FP8_E4M3, shape, record, "weight", shard, "fp8"))
+            planned.append(PlannedTensor(fp8.scale_name(name), FLOAT32, fp8.scale_shape(shape), None, "extra"))
         elif target is not None and record.dtype.is_floating_point and record.dtype.itemsize > 1 and record.dtype != target:
             planned.append(PlannedTensor(name, target, shape, record, "weight", shard, "cast"))
         else:
@@ -104,7 +102,7 @@ def shard_for(checkpoint: Checkpoint, record: TensorRecord, spec: CacheSpec, pla
         split(weight, dim, parts, spec.tp_rank, spec.tp_size, block=fp8.BLOCK)
         return split(record, dim, tuple(p // fp8.BLOCK for p in parts), spec.tp_rank, spec.tp_size)
     parts = fused_parts(checkpoint, record, rule, dim)
-    block = fp8.BLOCK if record.dtype == fp8.FP8 and len(record.shape) == 2 and (
+    block = fp8.BLOCK if record.dtype == FP8_E4M3 and len(record.shape) == 2 and (
         fp8.scale_name(record.name) in checkpoint.tensors) else 1
     return split(record, dim, parts, spec.tp_rank, spec.tp_size, block=block)
 
@@ -114,7 +112,7 @@ def _check_scale(checkpoint: Checkpoint, weight: TensorRecord) -> None:
     where = f"{weight.file}: tensor {weight.name!r}"
     if scale is None:
         raise CheckpointError(f"{where}: fp8 weight without its {fp8.scale_name(weight.name)!r}")
-    if len(weight.shape) != 2 or scale.shape != fp8.scale_shape(weight.shape) or scale.dtype != torch.float32:
+    if len(weight.shape) != 2 or scale.shape != fp8.scale_shape(weight.shape) or scale.dtype != FLOAT32:
         raise CheckpointError(
             f"{where}: weight_scale_inv is {list(scale.shape)} {scale.dtype}, but a {list(weight.shape)} weight "
             f"in 128x128 blocks needs float32 {list(fp8.scale_shape(weight.shape))}"
@@ -180,6 +178,8 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             finally:
                 progress.finish()
         else:
+            from .pipeline import fill_arena  # torch: the host path casts and quantizes with it
+
             # with the memfd, fill_arena writes into it (sendfile / pwrite: no page faults, no
             # zeroing) and the writes allocate an arena made with reserve=False; without, it
             # writes through the mapping, reserving pages on a thread ahead of the readers

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from .checkpoint import TensorRecord
+from .dtypes import DType
 from .progress import LoadProgress
 from .sharding import Shard
 
@@ -23,7 +22,7 @@ __all__ = ["LoadProgress", "PlannedTensor"]
 @dataclass(frozen=True)
 class PlannedTensor:
     name: str
-    dtype: torch.dtype
+    dtype: DType
     shape: tuple[int, ...]
     source: TensorRecord | None  # None: made by the loader (a quantization scale)
     kind: str = "weight"  # "weight" | "extra" (weight_scale_inv)

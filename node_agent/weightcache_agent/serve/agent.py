@@ -50,7 +50,7 @@ from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, c
                      read_private, write_private)
 from .prepared_record import RecordedCache, read_record, write_record
 
-if TYPE_CHECKING:  # the loader imports torch: only a load from disk needs it (see `load`)
+if TYPE_CHECKING:  # the loader's modules: imported when a load from disk needs them (see `load`)
     from ..load.peer_copy import PeerArena
     from ..load.loader import LoadedCache, PreparedCache
 
@@ -201,7 +201,7 @@ class Agent:
         prefetch = None
         adopting = self.adopt_wait > 0 and isinstance(self._previous, dict) and bool(self._previous.get("leases"))
         if self.spec.tp_size == 1 and not adopting and not self.peer:
-            # A load from disk is coming: keep the disk busy while torch, CUDA and the plan start up.
+            # A load from disk is coming: keep the disk busy while CUDA and the plan start up.
             # (One rank reads every byte; a tensor-parallel rank reads only its shards, so whole files would waste the disk.)
             paths = shard_paths(os.path.abspath(self.spec.model))
             prefetch = Prefetch(paths, lambda: self.progress.bytes_done, lead_for(paths, self.device.backend == "cpu"))
@@ -964,6 +964,6 @@ def _shutdown(conn: socket.socket) -> None:
 
 
 def _prepare(spec: CacheSpec, device_mark: str) -> "PreparedCache":
-    from ..load.loader import prepare_cache  # imports torch: only here, where a plan is made
+    from ..load.loader import prepare_cache  # headers and plan: torch-free, but a restart that adopts skips them
 
     return prepare_cache(spec, device=device_mark)

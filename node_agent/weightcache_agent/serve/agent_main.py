@@ -108,7 +108,7 @@ def preflight(args: argparse.Namespace) -> str | None:
     """
     if not os.environ.get("WEIGHTCACHE_DIRECT_IO", "").strip():
         return None  # the common case: no import of the loader (and torch) just to check nothing
-    from ..load.pipeline import DIRECT_IO_ENV, DIRECT_IO_MODES
+    from ..load.reading import DIRECT_IO_ENV, DIRECT_IO_MODES
 
     direct = os.environ.get(DIRECT_IO_ENV, "").strip().lower()
     if direct not in DIRECT_IO_MODES:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from ..load.dtypes import torch_dtype
+
 
 @dataclass
 class LlamaShape:
@@ -109,8 +111,9 @@ def write_llama_checkpoint(directory: str, shape: LlamaShape | None = None, dtyp
     return write_checkpoint(directory, llama_tensors(shape, dtype, seed), shape.config(dtype), shards)
 
 
-def skeleton_module(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> torch.nn.Module:
-    """A module tree on the meta device with one parameter per name (name -> (shape, dtype)).
+def skeleton_module(tensors: dict[str, tuple[tuple[int, ...], Any]]) -> torch.nn.Module:
+    """A module tree on the meta device with one parameter per name (name -> (shape, dtype: torch's or a
+    checkpoint record's)).
 
     Stands in for an engine's model where only the parameter names matter (tests, benchmarks).
     """
@@ -124,5 +127,5 @@ def skeleton_module(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> 
                 child = torch.nn.Module()
                 owner.add_module(part, child)
             owner = child
-        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=False))
+        owner.register_parameter(leaf, torch.nn.Parameter(torch.empty(shape, dtype=torch_dtype(dtype), device="meta"), requires_grad=False))
     return root
