@@ -224,3 +224,40 @@ def test_error_reply_is_a_weightcache_error(model, agent):
             attach(meta_module(model), CacheSpec(model=model), socket=agent.socket, group="g")
     finally:
         primary.close()
+
+
+def _niceness(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19, counted after the command name
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
+def test_the_agent_and_every_thread_of_it_run_at_the_raised_priority(model, tmp_path):
+    with AgentProcess(model, str(tmp_path / "nice.sock"), "--nice", "-3") as agent:
+        Probe(model, agent.socket).close()  # a client thread served, then gone
+        tids = [int(t) for t in os.listdir(f"/proc/{agent.proc.pid}/task")]
+        assert len(tids) > 1
+        assert {_niceness(agent.proc.pid, tid) for tid in tids} == {-3}
+
+
+def test_status_answers_with_the_last_reading_while_a_new_one_is_slow():
+    import threading
+    import time
+
+    from weightcache_agent.serve.agent import Sampled
+
+    readings, slow = iter([1, 2]), threading.Event()
+
+    def read() -> int:
+        if slow.is_set():
+            time.sleep(0.5)  # the driver busy with engines mapping arenas
+        return next(readings)
+
+    sampled = Sampled(read, ttl=0.05)
+    assert sampled.get() == 1  # the first reading is waited for
+    slow.set()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    assert sampled.get() == 1 and sampled.get() == 1  # stale: answered at once, one refresh started
+    assert time.monotonic() - t0 < 0.1
+    wait_for(lambda: sampled.get() == 2, what="the background reading")

@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # the loader's modules: imported when a load from disk needs 
 
 log = logging.getLogger(__name__)
 
+FREE_BYTES_TTL = 1.0  # seconds a reading of free memory is served before it is read again
 HANDSHAKE_TIMEOUT = 10.0  # seconds for a connection's whole first request, however slowly it arrives
 MAX_LEASES = 256  # engines per GPU; far above any real deployment, low enough to keep status small
 MAX_PENDING = 64  # connections still in their first request; past it the oldest is dropped
@@ -152,6 +153,7 @@ class Agent:
         self._ready = threading.Event()
         self._leases: dict[int, Lease] = {}
         self._lock = threading.Lock()
+        self._free_bytes = Sampled(self._read_free_bytes, FREE_BYTES_TTL)
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
@@ -337,7 +339,7 @@ class Agent:
 
         return loaded_from(self.prepared, arena, seconds)
 
-    def _free_bytes(self) -> int | None:
+    def _read_free_bytes(self) -> int | None:
         try:
             if self.device.backend == "cpu":
                 return available_memory()
@@ -464,7 +466,7 @@ class Agent:
             "arena_bytes": cache.layout.size if cache else 0,
             # Room for a second arena beside this one (a new model revision loading while engines
             # still map this one): the operator checks it before it starts such a transition.
-            "free_bytes": self._free_bytes(),
+            "free_bytes": self._free_bytes.get(),
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,
@@ -948,6 +950,40 @@ def _answers(path: str) -> bool:
 def sidecar_path(socket_path: str, kind: str) -> str:
     """The hidden file beside a socket: `.NAME.lock` (one agent per socket), `.NAME.state` (for re-adoption)."""
     return os.path.join(os.path.dirname(socket_path), f".{os.path.basename(socket_path)}.{kind}")
+
+
+class Sampled:
+    """A reading kept off the request path: `get()` answers the last one at once and, once it is older
+    than `ttl`, has one background thread read it again. Free device memory is read this way:
+    cuMemGetInfo waits in the driver while engines map arenas, and `status` must answer at once
+    while dozens of them attach."""
+
+    def __init__(self, read: Callable[[], Any], ttl: float):
+        self._read, self._ttl = read, ttl
+        self._value: Any = None
+        self._at: float | None = None
+        self._reading = threading.Lock()
+
+    def get(self) -> Any:
+        if self._at is None:  # the first reading is waited for: there is no earlier one to answer
+            with self._reading:
+                if self._at is None:
+                    self._refresh()
+        elif time.monotonic() - self._at > self._ttl and self._reading.acquire(blocking=False):
+            threading.Thread(target=self._refresh_then_release, name="sampled", daemon=True).start()
+        return self._value
+
+    def _refresh(self) -> None:
+        try:
+            self._value = self._read()
+        finally:
+            self._at = time.monotonic()
+
+    def _refresh_then_release(self) -> None:
+        try:
+            self._refresh()
+        finally:
+            self._reading.release()
 
 
 def remove_socket_files(socket_path: str) -> None:
