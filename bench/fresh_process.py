@@ -59,12 +59,14 @@ t0 = time.perf_counter()
 att = attach(module, CacheSpec(model=model), socket=sock)
 first = time.perf_counter() - t0
 out = {"first": first, "phases": att.phases, "later": []}
+a = m = None
 for _ in range(later):
     m = skeleton_module(shapes)
     t1 = time.perf_counter()
     a = attach(m, CacheSpec(model=model), socket=sock)
     out["later"].append(time.perf_counter() - t1)
     a.close()
+    a = m = None  # the mapping goes with them, here: not inside the next attach's timer
 print(json.dumps(out), flush=True)
 sys.stdin.readline()  # hold the lease until told
 att.close()

@@ -114,6 +114,7 @@ for k in range(n):
         keep = att
     else:
         att.close()
+        att = module = w = None  # the mapping goes with them, here: not inside the next attach's timer
 print(json.dumps({"times": times}), flush=True)
 if sys.stdin.readline():  # keep the last attachment until told
     pass
