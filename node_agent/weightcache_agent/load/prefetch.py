@@ -76,10 +76,6 @@ class Prefetch:
         self._stop.set()
         self._thread.join()
 
-    @property
-    def stopped(self) -> bool:
-        return self._stop.is_set()
-
     def wait_past(self, path: str, end: int) -> None:
         """Return once the read-ahead has read `path` up to byte `end`, has ended, or `WAIT_S` passed.
 

@@ -255,15 +255,11 @@ class Agent:
                     self.prepared = _prepare(self.spec, device_mark)
                     self.planned_from = "checkpoint"
                 self.phase = "loading"
-                if prefetch is not None and self._fills_at_once():
-                    # The read-ahead covered the start-up; from here the fill's own readers (direct
-                    # reads, several in flight) keep the disk busier than one buffered stream would.
-                    prefetch.stop()
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0,
-                                        read_ahead=None if prefetch is None or prefetch.stopped else prefetch)
+                                        read_ahead=prefetch)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
                 recorded = None
         except BaseException as e:
@@ -295,13 +291,6 @@ class Agent:
                 log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
         self.phase = "ready"
         self._ready.set()
-
-    def _fills_at_once(self) -> bool:
-        """Whether the fill can start without importing torch: the GPU fill of bytes copied as they are or
-        quantized from bf16 (cuda_fill's driver sink). The host fill and any cast need torch's seconds."""
-        from ..load.cuda_fill import driver_fills
-
-        return self.device.backend == "cuda" and driver_fills(self.prepared.plan)
 
     def _open_peer(self) -> "PeerArena | None":
         """The other replica's arena, once its load is done; None (logged): read the disk instead."""
