@@ -183,7 +183,11 @@ def test_each_gpu_fill_writes_the_bytes_of_the_cpu_loader(tmp_path, source, quan
 
 @cuda
 def test_engine_computes_after_agent_sigkill_and_memory_returns_when_the_last_engine_goes(gpu_model, tmp_path):
+    import gc
+
     torch.cuda.init()
+    gc.collect()  # what earlier tests left to the collector or torch's cache is freed before the baseline, not during
+    torch.cuda.empty_cache()
     baseline = torch.cuda.mem_get_info()[0]
     sock = str(tmp_path / "a.sock")
     agent = AgentProcess(gpu_model, sock, "--backend", "cuda")

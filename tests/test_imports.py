@@ -53,14 +53,14 @@ def test_the_gpu_cold_path_plans_without_torch(tmp_path):
 
     model = write_llama_checkpoint(str(tmp_path / "m"), LlamaShape(), shards=2)
     proc = run({"torch", "safetensors"}, f"""
-        from weightcache_agent.load.cuda_fill import _driver_fills
+        from weightcache_agent.load.cuda_fill import driver_fills
         from weightcache_agent.load.loader import prepare_cache
         from weightcache_agent.spec import CacheSpec
         for quant in ("none", "fp8-block"):
             prepared = prepare_cache(CacheSpec(model={model!r}, quantization=quant))
-            assert _driver_fills(prepared.plan), quant
+            assert driver_fills(prepared.plan), quant
             print(prepared.layout.layout_hash)
-        print(_driver_fills(prepare_cache(CacheSpec(model={model!r}, dtype="float16")).plan))
+        print(driver_fills(prepare_cache(CacheSpec(model={model!r}, dtype="float16")).plan))
     """)
     assert proc.returncode == 0, proc.stderr
     # the same layouts as planned beside torch; a cast is left to torch's kernels

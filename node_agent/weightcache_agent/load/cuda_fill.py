@@ -72,17 +72,17 @@ def _host_view(ptr: int, nbytes: int) -> memoryview:
 class _DriverSink:
     """One reader's pinned buffers, stream and events, through the CUDA driver alone (no torch).
 
-    Plain bytes are copied as they are. A bf16 piece to quantize (`_driver_fills` admits no
+    Plain bytes are copied as they are. A bf16 piece to quantize (`driver_fills` admits no
     other transform) is quantized on the reader's own thread by the C quantizer, without the
     GIL, into a second pinned buffer -- e4m3 rows, then their scale rows -- and that is copied:
     the same bytes as the GPU kernels and the cpu backend, at several GB/s per thread."""
 
-    def __init__(self, arena: "CudaArena", slots: dict[str, TensorSlot], buffer_bytes: int):
+    def __init__(self, ordinal: int, base: int, slots: dict[str, TensorSlot], buffer_bytes: int):
         from ..arena.cuda import _activate, _call, _driver
 
         self._cu, self._call = _driver(), _call
-        _activate(arena.ordinal)  # the current context is per thread
-        self.base, self.slots = arena.writable_ptr(), slots
+        _activate(ordinal)  # the current context is per thread
+        self.base, self.slots = base, slots
         self.stream = self._call(self._cu.cuStreamCreate(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         # the driver's pinned allocations are page-aligned, as O_DIRECT reads need
         self._hosts = [self._alloc(buffer_bytes) for _ in range(BUFFERS_PER_READER)]
@@ -162,7 +162,7 @@ class _DriverSink:
         self.stream = None
 
 
-def _driver_fills(plan: list["PlannedTensor"]) -> bool:
+def driver_fills(plan: list["PlannedTensor"]) -> bool:
     """Whether the driver sink can fill this plan: bytes as they are, or bf16 quantized by the C quantizer."""
     return all(p.transform == "read" or (p.transform == "fp8" and p.source.dtype == BFLOAT16
                                          and fp8.native_quantizer(p.shard.shape[1])) for p in plan)
@@ -235,9 +235,11 @@ def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["Planned
     feed = JobFeed(plan, slots, job_bytes, progress_)
     flags: list[tuple[str, Any]] = []
     errors: list[BaseException] = []
-    if _driver_fills(plan):
+    if driver_fills(plan):
+        base = arena.writable_ptr()  # one mapping, made before the readers share it
+
         def new_sink() -> Any:
-            return _DriverSink(arena, slots, pooled)
+            return _DriverSink(arena.ordinal, base, slots, pooled)
     else:
         dest = arena.device_tensor()
 
