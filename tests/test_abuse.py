@@ -76,7 +76,10 @@ def test_fds_on_every_byte_of_a_trickled_frame_are_not_held(agent, healthy_after
             assert drain(s).startswith(protocol.MAGIC), "no refusal for 64 fds on a frame"
         conns = [raw(agent.socket) for _ in range(32)]
         for s in conns:  # the allowed count on the first byte, then more on every later byte
-            socket.send_fds(s, [protocol.MAGIC[:1]], [r] * protocol.MAX_REQUEST_FDS)
+            try:
+                socket.send_fds(s, [protocol.MAGIC[:1]], [r] * protocol.MAX_REQUEST_FDS)
+            except OSError:  # already dropped: past MAX_PENDING the agent drops the oldest at once
+                pass
         time.sleep(0.3)  # the agent has them all by now
         peak = agent.fds()
         for s in conns:
