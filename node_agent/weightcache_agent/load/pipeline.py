@@ -30,7 +30,9 @@ A tensor that needs a cast or FP8 quantization is read in pieces of whole 128-ro
 blocks into one of a pool of reusable staging buffers; worker threads (torch kernels
 release the GIL) compute each piece into a private scratch buffer and pwrite it into
 its slot (and its scale rows into the scale slot). The pool bounds memory and is the
-back-pressure: readers block only when every worker is behind.
+back-pressure: readers block only when every worker is behind. torch is imported for
+the first such piece: a plan that only copies bytes never imports it, so an agent
+loading one starts filling at once instead of seconds later.
 
 Without an fd (a plain writable buffer, or `fd=None`), readers preadv straight into the
 buffer (workers copy direct reads into it) and workers write through it, with
@@ -50,8 +52,6 @@ import queue
 import threading
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from . import fp8
 from .dtypes import torch_dtype
@@ -240,8 +240,8 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                 os.close(out_fd)
 
     def work_loop() -> None:
-        torch.set_num_threads(1)  # the workers are the parallelism; intra-op threads would fight them
         scratch = _Scratch()
+        computes = False
         while True:
             piece = work.get()
             if piece is None:
@@ -251,6 +251,11 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                     if piece.plain:
                         _store(piece, buffer, slots, fd)
                     else:
+                        if not computes:  # this thread's first cast or quantization
+                            import torch
+
+                            torch.set_num_threads(1)  # the workers are the parallelism; intra-op threads would fight them
+                            computes = True
                         _transform(piece, buffer, slots, fd, scratch)
                     feed.finish(piece.item)
             except BaseException as e:  # handed to the readers, which stop; re-raised below
@@ -331,6 +336,8 @@ def _store(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], fd: 
     if fd is not None:
         _pwrite(fd, memoryview(piece.staging)[piece.skip : piece.skip + n], at, item)
     else:  # a torch copy: releases the GIL, where a memoryview assignment would hold it
+        import torch
+
         torch.frombuffer(buffer, dtype=torch.uint8, count=n, offset=at).copy_(
             torch.frombuffer(piece.staging, dtype=torch.uint8, count=n, offset=piece.skip))
 
@@ -339,6 +346,8 @@ def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], 
                scratch: _Scratch | None = None) -> None:
     """Turn one piece into its final bytes: into `buffer` directly, or (with `fd`) into
     `scratch` and then pwrite into the memfd (no page faults, no zeroing; module docstring)."""
+    import torch
+
     item = piece.item
     slot = slots[item.name]
     row_bytes, _ = rows_of(item)
