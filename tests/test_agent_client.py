@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_fixtures import AgentProcess, Probe, fd_count, map_count, wait_for
+from agent_fixtures import AgentProcess, Probe, fd_count, map_count, maps_libtorch, wait_for
 from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, agent_status, attach
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.errors import AgentUnavailable, WeightCacheError
@@ -270,3 +270,12 @@ def test_status_answers_with_the_last_reading_while_a_new_one_is_slow():
     assert sampled.get() == 1 and sampled.get() == 1  # stale: answered at once, one refresh started
     assert time.monotonic() - t0 < 0.1
     wait_for(lambda: sampled.get() == 2, what="the background reading")
+
+
+@pytest.mark.parametrize("quant,dtype,needs_torch", [("none", "auto", False), ("fp8-block", "auto", False),
+                                                     ("none", "float16", True)])
+def test_a_cold_load_imports_torch_only_for_a_cast(model, tmp_path, quant, dtype, needs_torch):
+    """Bytes as they are and bf16 -> FP8 (the C quantizer) need no torch: the agent fills from its
+    first second. A cast runs in torch, imported for it."""
+    with AgentProcess(model, str(tmp_path / "cold.sock"), "--quantization", quant, "--dtype", dtype) as agent:
+        assert maps_libtorch(agent.proc.pid) is needs_torch

@@ -30,9 +30,10 @@ A tensor that needs a cast or FP8 quantization is read in pieces of whole 128-ro
 blocks into one of a pool of reusable staging buffers; worker threads (torch kernels
 release the GIL) compute each piece into a private scratch buffer and pwrite it into
 its slot (and its scale rows into the scale slot). The pool bounds memory and is the
-back-pressure: readers block only when every worker is behind. torch is imported for
-the first such piece: a plan that only copies bytes never imports it, so an agent
-loading one starts filling at once instead of seconds later.
+back-pressure: readers block only when every worker is behind. bf16 -> FP8 runs in the
+C quantizer (`fp8.quantize_bf16_at`, no GIL); torch is imported only for a cast or FP8
+from another dtype, so an agent loading bytes as they are, or quantizing bf16, starts
+filling at once instead of seconds later.
 
 Without an fd (a plain writable buffer, or `fd=None`), readers preadv straight into the
 buffer (workers copy direct reads into it) and workers write through it, with
@@ -45,6 +46,7 @@ descriptors (`Reader`, `Files`, direct or buffered as here); only the sink diffe
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 import os
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fp8
-from .dtypes import torch_dtype
+from .dtypes import BFLOAT16, torch_dtype
 from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
 from .reading import (ALIGN, DIRECT_IO_ENV, STAGING_BYTES, Files, JobFeed, LockedProgress, Reader, align_up,
@@ -241,7 +243,6 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
 
     def work_loop() -> None:
         scratch = _Scratch()
-        computes = False
         while True:
             piece = work.get()
             if piece is None:
@@ -251,11 +252,6 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                     if piece.plain:
                         _store(piece, buffer, slots, fd)
                     else:
-                        if not computes:  # this thread's first cast or quantization
-                            import torch
-
-                            torch.set_num_threads(1)  # the workers are the parallelism; intra-op threads would fight them
-                            computes = True
                         _transform(piece, buffer, slots, fd, scratch)
                     feed.finish(piece.item)
             except BaseException as e:  # handed to the readers, which stop; re-raised below
@@ -345,41 +341,59 @@ def _store(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], fd: 
 def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], fd: int | None = None,
                scratch: _Scratch | None = None) -> None:
     """Turn one piece into its final bytes: into `buffer` directly, or (with `fd`) into
-    `scratch` and then pwrite into the memfd (no page faults, no zeroing; module docstring)."""
-    import torch
-
+    `scratch` and then pwrite into the memfd (no page faults, no zeroing; module docstring).
+    bf16 -> FP8 runs in the C quantizer, on addresses; a cast, or FP8 from another dtype, in torch."""
     item = piece.item
     slot = slots[item.name]
     row_bytes, _ = rows_of(item)
     n = piece.hi - piece.lo
-    src_bytes = n * row_bytes
-    src = torch.frombuffer(piece.staging, dtype=torch_dtype(item.source.dtype), count=src_bytes // item.source.dtype.itemsize,
-                           offset=piece.skip)
     out_row = row_bytes // item.source.dtype.itemsize * item.dtype.itemsize
     lo = slot.offset + piece.lo * out_row
     out_bytes = n * out_row
-    if item.transform == "fp8":
+    cols = item.shard.shape[1] if item.transform == "fp8" else 0
+    scale_rows = scale_cols = s_lo = s_bytes = 0
+    if item.transform == "fp8":  # the piece is whole 128-row blocks: its scales are whole rows of the scale slot
         scale_slot = slots[fp8.scale_name(item.name)]
-        s_cols = scale_slot.shape[1]
-        s_row0, s_rows = piece.lo // fp8.BLOCK, -(-n // fp8.BLOCK)
-        s_lo, s_bytes = scale_slot.offset + s_row0 * s_cols * 4, s_rows * s_cols * 4
+        scale_cols, scale_rows = scale_slot.shape[1], -(-n // fp8.BLOCK)
+        s_lo, s_bytes = scale_slot.offset + piece.lo // fp8.BLOCK * scale_cols * 4, scale_rows * scale_cols * 4
     if fd is None:
-        out = torch.frombuffer(buffer, dtype=torch_dtype(item.dtype), count=out_bytes // item.dtype.itemsize, offset=lo)
+        out, out_at, scale_at = buffer, lo, s_lo
     else:
-        s_at = -(-out_bytes // 64) * 64  # the scales after the weight, aligned
-        space = scratch.get(s_at + s_bytes if item.transform == "fp8" else out_bytes)
-        out = torch.frombuffer(space, dtype=torch_dtype(item.dtype), count=out_bytes // item.dtype.itemsize)
-    if item.transform == "cast":
-        out.copy_(src)
+        scale_at = -(-out_bytes // 64) * 64  # the scales after the weight, aligned
+        out, out_at = scratch.get(scale_at + s_bytes if item.transform == "fp8" else out_bytes), 0
+    if item.transform == "fp8" and item.source.dtype == BFLOAT16 and fp8.native_quantizer(cols):
+        at = _address(out)
+        fp8.quantize_bf16_at(_address(piece.staging) + piece.skip, at + out_at, at + scale_at, n, cols, item.name)
     else:
-        # fp8: the piece is whole 128-row blocks, so its scales are whole rows of the scale slot
-        cols = item.shard.shape[1]
-        if fd is None:
-            scale = torch.frombuffer(buffer, dtype=torch.float32, count=s_rows * s_cols, offset=s_lo)
+        torch = _worker_torch()
+        src = torch.frombuffer(piece.staging, dtype=torch_dtype(item.source.dtype),
+                               count=n * row_bytes // item.source.dtype.itemsize, offset=piece.skip)
+        dest = torch.frombuffer(out, dtype=torch_dtype(item.dtype), count=out_bytes // item.dtype.itemsize, offset=out_at)
+        if item.transform == "cast":
+            dest.copy_(src)
         else:
-            scale = torch.frombuffer(space, dtype=torch.float32, count=s_rows * s_cols, offset=s_at)
-        fp8.quantize_rows(src.view(n, cols), out.view(n, cols), scale.view(s_rows, s_cols), item.name)
+            scale = torch.frombuffer(out, dtype=torch.float32, count=scale_rows * scale_cols, offset=scale_at)
+            fp8.quantize_rows(src.view(n, cols), dest.view(n, cols), scale.view(scale_rows, scale_cols), item.name)
     if fd is not None:
-        _pwrite(fd, space[:out_bytes], lo, item)
+        _pwrite(fd, out[:out_bytes], lo, item)
         if item.transform == "fp8":
-            _pwrite(fd, space[s_at : s_at + s_bytes], s_lo, item)
+            _pwrite(fd, out[scale_at : scale_at + s_bytes], s_lo, item)
+
+
+def _address(buf: Any) -> int:
+    """Where a writable buffer's first byte is (an mmap, a writable memoryview)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+_worker = threading.local()
+
+
+def _worker_torch() -> Any:
+    """torch, for a worker thread's first cast or quantization in torch (a plan that copies bytes, or
+    quantizes bf16, never imports it), its intra-op threads cut to one: the workers are the parallelism."""
+    import torch
+
+    if not getattr(_worker, "single_threaded", False):
+        torch.set_num_threads(1)
+        _worker.single_threaded = True
+    return torch
