@@ -111,7 +111,6 @@ class _DriverSink:
         if held is None or held[1] < nbytes:
             if held is not None:
                 self._cu.cuMemFreeHost(held[0])
-                self._outs[k] = None
             self._outs[k] = held = (self._alloc(nbytes), nbytes)
         return held[0]
 

@@ -23,6 +23,7 @@ from ..arena.cpu import CpuArena, new_cpu_arena
 from ..errors import CheckpointError, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import ArenaLayout, lay_out
+from .pipeline import fill_arena
 from .plan import PlannedTensor
 from .progress import LoadProgress, gib, log_interval
 from ..quantization import check_quantization
@@ -178,8 +179,6 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             finally:
                 progress.finish()
         else:
-            from .pipeline import fill_arena  # torch: the host path casts and quantizes with it
-
             # with the memfd, fill_arena writes into it (sendfile / pwrite: no page faults, no
             # zeroing) and the writes allocate an arena made with reserve=False; without, it
             # writes through the mapping, reserving pages on a thread ahead of the readers
