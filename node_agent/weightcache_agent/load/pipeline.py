@@ -365,7 +365,9 @@ def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], 
         at = _address(out)
         fp8.quantize_bf16_at(_address(piece.staging) + piece.skip, at + out_at, at + scale_at, n, cols, item.name)
     else:
-        torch = _worker_torch()
+        import torch
+
+        _one_intra_op_thread()
         src = torch.frombuffer(piece.staging, dtype=torch_dtype(item.source.dtype),
                                count=n * row_bytes // item.source.dtype.itemsize, offset=piece.skip)
         dest = torch.frombuffer(out, dtype=torch_dtype(item.dtype), count=out_bytes // item.dtype.itemsize, offset=out_at)
@@ -388,12 +390,11 @@ def _address(buf: Any) -> int:
 _worker = threading.local()
 
 
-def _worker_torch() -> Any:
-    """torch, for a worker thread's first cast or quantization in torch (a plan that copies bytes, or
-    quantizes bf16, never imports it), its intra-op threads cut to one: the workers are the parallelism."""
+def _one_intra_op_thread() -> None:
+    """Before a worker thread's first torch kernel (a plan that copies bytes, or quantizes bf16, never
+    runs one): its intra-op threads cut to one, as the workers are the parallelism."""
     import torch
 
     if not getattr(_worker, "single_threaded", False):
         torch.set_num_threads(1)
         _worker.single_threaded = True
-    return torch
