@@ -46,19 +46,21 @@ class CudaError(WeightCacheError):
 _cu: Any = None
 
 
-def _driver() -> Any:
+def driver() -> Any:
+    """cuda-bindings' driver module (imported on first use: the cpu backend never needs it)."""
     global _cu
     if _cu is None:
         try:
-            from cuda.bindings import driver
+            from cuda.bindings import driver as bindings
         except ImportError as e:
             raise CudaError("the cuda backend needs cuda-bindings: pip install 'weightcache[cuda]'") from e
-        _cu = driver
+        _cu = bindings
     return _cu
 
 
-def _call(result: tuple, what: str) -> Any:
-    cu = _driver()
+def checked(result: tuple, what: str) -> Any:
+    """The value(s) of a driver call's result; `CudaError` naming `what` when it failed."""
+    cu = driver()
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != cu.CUresult.CUDA_SUCCESS:
         _, name = cu.cuGetErrorName(err)
@@ -69,16 +71,16 @@ def _call(result: tuple, what: str) -> Any:
 def _activate(ordinal: int) -> None:
     """Make the device's primary context current on this thread (retained once per process), through
     the driver alone: the same context torch's runtime uses, without importing torch."""
-    cu = _driver()
+    cu = driver()
     ctx = _contexts.get(ordinal)
     if ctx is None:
         with _contexts_lock:
             ctx = _contexts.get(ordinal)
             if ctx is None:
-                _call(cu.cuInit(0), "cuInit")
-                device = _call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-                ctx = _contexts[ordinal] = _call(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
-    _call(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+                checked(cu.cuInit(0), "cuInit")
+                device = checked(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+                ctx = _contexts[ordinal] = checked(cu.cuDevicePrimaryCtxRetain(device), "cuDevicePrimaryCtxRetain")
+    checked(cu.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
 def retain_context(ordinal: int) -> None:
@@ -100,19 +102,19 @@ def _activate_torch(ordinal: int) -> None:
 
 def device_mark(ordinal: int) -> str:
     """`sm_XY/cuda-<torch's CUDA version>`, the fingerprint's device field, without importing torch."""
-    cu = _driver()
+    cu = driver()
     _activate(ordinal)
     attr = cu.CUdevice_attribute
-    device = _call(cu.cuDeviceGet(ordinal), "cuDeviceGet")
-    major = _call(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute")
-    minor = _call(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute")
+    device = checked(cu.cuDeviceGet(ordinal), "cuDeviceGet")
+    major = checked(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device), "cuDeviceGetAttribute")
+    minor = checked(cu.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device), "cuDeviceGetAttribute")
     return f"sm_{major}{minor}/cuda-{torch_cuda_version()}"
 
 
 def free_memory(ordinal: int) -> int:
     """Bytes free on the device now (cuMemGetInfo in its primary context): what a second arena may take."""
     _activate(ordinal)
-    free, _total = _call(_driver().cuMemGetInfo(), "cuMemGetInfo")
+    free, _total = checked(driver().cuMemGetInfo(), "cuMemGetInfo")
     return int(free)
 
 
@@ -137,7 +139,7 @@ def torch_cuda_version() -> str | None:
 
 
 def _prop(ordinal: int) -> Any:
-    cu = _driver()
+    cu = driver()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
@@ -147,7 +149,7 @@ def _prop(ordinal: int) -> Any:
 
 
 def _access(ordinal: int, writable: bool) -> Any:
-    cu = _driver()
+    cu = driver()
     desc = cu.CUmemAccessDesc()
     desc.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
     desc.location.id = ordinal
@@ -157,9 +159,9 @@ def _access(ordinal: int, writable: bool) -> Any:
 
 
 def granularity(ordinal: int) -> int:
-    cu = _driver()
+    cu = driver()
     _activate(ordinal)
-    return int(_call(cu.cuMemGetAllocationGranularity(
+    return int(checked(cu.cuMemGetAllocationGranularity(
         _prop(ordinal), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"))
 
 
@@ -171,15 +173,15 @@ class _Mapping:
 
     def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool,
                  readers: Sequence[int] = ()):
-        cu = _driver()
+        cu = driver()
         self.size, self.ordinal, self._handle, self._owns_handle = size, ordinal, handle, owns_handle
         self.ptr = None
         try:
-            self.ptr = _call(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
-            _call(cu.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
+            self.ptr = checked(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve")
+            checked(cu.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
             self._mapped = True
             access = [_access(ordinal, writable)] + [_access(o, False) for o in sorted(set(readers) - {ordinal})]
-            _call(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
+            checked(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
         except BaseException:
             self.release()
             raise
@@ -196,7 +198,7 @@ class _Mapping:
         return torch.as_tensor(self, device=f"cuda:{self.ordinal}")
 
     def release(self) -> None:
-        cu = _driver()
+        cu = driver()
         if self.ptr is not None:
             if getattr(self, "_mapped", False):
                 cu.cuMemUnmap(self.ptr, self.size)
@@ -225,7 +227,7 @@ class CudaArena:
     backend = "cuda"
 
     def __init__(self, size: int, ordinal: int, uuid: str, fd: int | None = None):
-        cu = _driver()
+        cu = driver()
         _activate(ordinal)
         self.ordinal, self.uuid = ordinal, uuid
         gran = granularity(ordinal)
@@ -233,16 +235,16 @@ class CudaArena:
         self._writer: _Mapping | None = None
         if fd is not None:  # re-adopted from an engine: keep its fd (re-exporting an imported handle fails)
             self.fd = fd
-            self._handle = _call(cu.cuMemImportFromShareableHandle(
+            self._handle = checked(cu.cuMemImportFromShareableHandle(
                 fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
             return
-        free, total = _call(cu.cuMemGetInfo(), "cuMemGetInfo")
+        free, total = checked(cu.cuMemGetInfo(), "cuMemGetInfo")
         if self.size > free:
             raise OutOfMemory(f"arena of {self.size / 2**30:.2f} GiB does not fit on GPU {uuid}: "
                               f"{free / 2**30:.2f} GiB free of {total / 2**30:.2f} GiB")
-        self._handle = _call(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
+        self._handle = checked(cu.cuMemCreate(self.size, _prop(ordinal), 0), "cuMemCreate")
         try:
-            self.fd = int(_call(cu.cuMemExportToShareableHandle(
+            self.fd = int(checked(cu.cuMemExportToShareableHandle(
                 self._handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
                 "cuMemExportToShareableHandle"))
         except BaseException:
@@ -267,12 +269,12 @@ class CudaArena:
     def copy_from(self, source: "PeerView", nbytes: int) -> None:
         """Fill the first `nbytes` from another GPU's arena mapped for this device (`PeerView`):
         one device-to-device copy over the GPUs' link, through the driver alone (no torch)."""
-        cu = _driver()
+        cu = driver()
         _activate(self.ordinal)
         writer = _Mapping(self._handle, self.size, self.ordinal, writable=True, owns_handle=False)
         try:
-            _call(cu.cuMemcpy(writer.ptr, source.ptr, nbytes), "cuMemcpy (peer copy)")
-            _call(cu.cuCtxSynchronize(), "cuCtxSynchronize")
+            checked(cu.cuMemcpy(writer.ptr, source.ptr, nbytes), "cuMemcpy (peer copy)")
+            checked(cu.cuCtxSynchronize(), "cuCtxSynchronize")
         finally:
             writer.release()
 
@@ -281,12 +283,12 @@ class CudaArena:
         agent's writable mapping."""
         if self._writer is not None:
             _activate(self.ordinal)
-            _call(_driver().cuCtxSynchronize(), "cuCtxSynchronize")
+            checked(driver().cuCtxSynchronize(), "cuCtxSynchronize")
             self._writer.release()
             self._writer = None
 
     def close(self) -> None:
-        cu = _driver()
+        cu = driver()
         _activate(self.ordinal)
         self.seal()
         if self._handle is not None:
@@ -301,10 +303,10 @@ def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
     """Import an arena fd on the GPU with `uuid` and return it as one read-only uint8 tensor."""
     from .devices import local_ordinal
 
-    cu = _driver()
+    cu = driver()
     ordinal = local_ordinal(uuid)
     _activate_torch(ordinal)
-    handle = _call(cu.cuMemImportFromShareableHandle(
+    handle = checked(cu.cuMemImportFromShareableHandle(
         fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
     # The mapping owns the imported handle from here on, failed or not.
     return _Mapping(handle, size, ordinal, writable=False, owns_handle=True).tensor()
@@ -322,9 +324,9 @@ class PeerView(_Mapping):
     def __init__(self, fd: int, size: int, owner_uuid: str, readers: list[int]):
         from .devices import local_ordinal
 
-        cu = _driver()
+        cu = driver()
         owner = local_ordinal(owner_uuid)
         _activate(owner)
-        handle = _call(cu.cuMemImportFromShareableHandle(
+        handle = checked(cu.cuMemImportFromShareableHandle(
             fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
         super().__init__(handle, size, owner, writable=False, owns_handle=True, readers=readers)

@@ -78,12 +78,12 @@ class _DriverSink:
     the same bytes as the GPU kernels and the cpu backend, at several GB/s per thread."""
 
     def __init__(self, ordinal: int, base: int, slots: dict[str, TensorSlot], buffer_bytes: int):
-        from ..arena.cuda import _activate, _call, _driver
+        from ..arena.cuda import checked, driver, retain_context
 
-        self._cu, self._call = _driver(), _call
-        _activate(ordinal)  # the current context is per thread
+        self._cu, self._checked = driver(), checked
+        retain_context(ordinal)  # current on this thread: the current context is per thread
         self.base, self.slots = base, slots
-        self.stream = self._call(self._cu.cuStreamCreate(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.stream = self._checked(self._cu.cuStreamCreate(self._cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         # the driver's pinned allocations are page-aligned, as O_DIRECT reads need
         self._hosts = [self._alloc(buffer_bytes) for _ in range(BUFFERS_PER_READER)]
         self.buffers = [_host_view(ptr, buffer_bytes) for ptr in self._hosts]
@@ -92,11 +92,11 @@ class _DriverSink:
         self._oneoff: list[int] = []  # buffers of the one job that outgrew the staging buffers
 
     def _alloc(self, nbytes: int) -> int:
-        return self._call(self._cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
+        return self._checked(self._cu.cuMemHostAlloc(nbytes, 0), "cuMemHostAlloc")
 
     def wait(self, k: int) -> None:
         if self._events[k] is not None:
-            self._call(self._cu.cuEventSynchronize(self._events[k]), "cuEventSynchronize")
+            self._checked(self._cu.cuEventSynchronize(self._events[k]), "cuEventSynchronize")
 
     def oneoff(self, nbytes: int) -> memoryview:
         self._oneoff.append(self._alloc(nbytes))
@@ -115,7 +115,7 @@ class _DriverSink:
         return held[0]
 
     def _h2d(self, offset: int, src: int, nbytes: int) -> None:
-        self._call(self._cu.cuMemcpyHtoDAsync(self.base + offset, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
+        self._checked(self._cu.cuMemcpyHtoDAsync(self.base + offset, src, nbytes, self.stream), "cuMemcpyHtoDAsync")
 
     def copy(self, job: Job, k: int | None, skip: int, nbytes: int, row_bytes: int) -> None:
         item = job.item
@@ -134,13 +134,13 @@ class _DriverSink:
             self._h2d(slot.offset + job.lo * cols, out, rows * cols)
             self._h2d(scale_slot.offset + job.lo // fp8.BLOCK * scale_row, out + at, scale_bytes)
         if k is None:
-            self._call(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+            self._checked(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
             self._free_oneoff()
             return
         if self._events[k] is None:
-            self._events[k] = self._call(self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
+            self._events[k] = self._checked(self._cu.cuEventCreate(self._cu.CUevent_flags.CU_EVENT_DISABLE_TIMING),
                                          "cuEventCreate")
-        self._call(self._cu.cuEventRecord(self._events[k], self.stream), "cuEventRecord")
+        self._checked(self._cu.cuEventRecord(self._events[k], self.stream), "cuEventRecord")
 
     def _free_oneoff(self) -> None:
         while self._oneoff:
