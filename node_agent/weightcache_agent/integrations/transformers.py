@@ -31,6 +31,7 @@ This module imports transformers at its own import (the optional extra
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 from dataclasses import dataclass, field
@@ -385,6 +386,8 @@ def greedy_generate(model: PreTrainedModel, tokens: list[int], max_tokens: int,
                     stop: Callable[[int], bool] = lambda t: False) -> list[int]:
     """Greedy continuation with the model's own KV cache: at most `max_tokens` new ids."""
     device = model.get_input_embeddings().weight.device
+    # transformers >= 5.2x names the KV cache `cache` (argument and output); earlier ones `past_key_values`
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     with torch.inference_mode():
         out = model(torch.tensor([tokens], device=device), use_cache=True)
         new: list[int] = []
@@ -393,7 +396,7 @@ def greedy_generate(model: PreTrainedModel, tokens: list[int], max_tokens: int,
             new.append(nxt)
             if len(new) >= max_tokens or stop(nxt):
                 return new
-            out = model(torch.tensor([[nxt]], device=device), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[nxt]], device=device), use_cache=True, **{key: out[key]})
 
 
 __all__ = ["CacheReport", "DequantizingFP8Experts", "DequantizingFP8Linear", "build_meta", "dequantize", "from_cache",
