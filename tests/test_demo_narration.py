@@ -38,7 +38,7 @@ def test_demo_says_what_it_waits_for(tmp_path):
     assert longest < LONGEST_QUIET, f"silent for {longest:.1f}s before {before!r}:\n{text}"
     # the waits that take seconds say what they are
     assert "creating the demo checkpoint once" in text
-    assert "it imports torch, reads the checkpoint's headers, then loads" in text
+    assert "it reads the checkpoint's headers, plans the arena, then loads" in text
     assert "builds the model on the meta device and attaches" in text
     assert "done: no process or socket left behind." in text
     assert "... " in text  # at least one heartbeat: the torch import alone takes longer than a beat

@@ -271,8 +271,8 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         drop_page_cache(model_dir)
         agent = sup.start_agent(model_dir, backend=args.backend)
         summary["pids"]["agent"] = agent.pid
-        console.detail(f"agent pid {agent.pid}, socket {agent.socket}: a new process, it imports torch, reads the "
-                       "checkpoint's headers, then loads")
+        console.detail(f"agent pid {agent.pid}, socket {agent.socket}: a new process: it reads the checkpoint's "
+                       "headers, plans the arena, then loads")
         bar = _progress_bar(console, nbytes)
         latest: dict[str, Any] = {}
 

@@ -1,7 +1,7 @@
 """What a restarted agent needs to serve a re-adopted arena without planning the load again.
 
-Planning (headers, sharding, quantization, layout) imports torch and parses every header:
-seconds of start-up spent before the first status answer. After a load, the agent writes
+Planning (headers, sharding, quantization, layout) parses every header, and an agent that
+re-adopts needs none of it: start-up spent before the first status answer. After a load, the agent writes
 a record of its prepared cache beside its socket (0600, like the state file): the spec,
 the checkpoint's file signature and content identity, the fingerprint fields, and the
 layout as its manifest columns plus each slot's kind. A restarted agent with engines to
