@@ -249,6 +249,28 @@ def test_the_agent_and_every_thread_of_it_run_at_the_raised_priority(model, tmp_
             probe.close()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising a priority needs root (CAP_SYS_NICE)")
+def test_load_threads_give_up_the_agents_raised_priority():
+    """A load is bulk work: its threads run at nice 0 while the agent's others stay raised."""
+    code = (
+        "import os, threading\n"
+        "from weightcache_agent.load.reading import at_normal_priority\n"
+        "os.setpriority(os.PRIO_PROCESS, 0, -3)\n"
+        "seen = {}\n"
+        "def load():\n"
+        "    at_normal_priority()\n"
+        "    seen['load'] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n"
+        "def serve():\n"
+        "    seen['serve'] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())\n"
+        "for target in (load, serve):\n"
+        "    t = threading.Thread(target=target); t.start(); t.join()\n"
+        "print(seen['load'], seen['serve'], os.getpriority(os.PRIO_PROCESS, 0))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "-3", "-3"]
+
+
 def test_status_answers_with_the_last_reading_while_a_new_one_is_slow():
     import threading
     import time

@@ -31,7 +31,8 @@ from ..errors import CheckpointError
 from .dtypes import BFLOAT16, torch_dtype
 from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
-from .reading import ALIGN, STAGING_BYTES, Files, Job, JobFeed, LockedProgress, Reader, align_up, default_readers, rows_of
+from .reading import (ALIGN, STAGING_BYTES, Files, Job, JobFeed, LockedProgress, Reader, align_up, at_normal_priority,
+                      default_readers, rows_of)
 
 if TYPE_CHECKING:
     import torch
@@ -246,6 +247,7 @@ def fill_cuda_arena(arena: "CudaArena", layout: ArenaLayout, plan: list["Planned
             return _TorchSink(arena, slots, pooled, dest, flags)
 
     def read_loop() -> None:
+        at_normal_priority()
         reader = Reader(progress_, files, pooled)
         sink = None
         turn = 0

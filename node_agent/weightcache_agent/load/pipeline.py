@@ -60,7 +60,7 @@ from .dtypes import BFLOAT16, torch_dtype
 from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
 from .reading import (ALIGN, DIRECT_IO_ENV, STAGING_BYTES, Files, JobFeed, LockedProgress, Reader, align_up,
-                      close_buffer, default_readers, rows_of, usable_cores, write_error)
+                      at_normal_priority, close_buffer, default_readers, rows_of, usable_cores, write_error)
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     all_readers: list[Reader] = []  # for the count of bytes read each way
 
     def read_loop() -> None:
+        at_normal_priority()
         reader = Reader(progress_, files, pooled)
         all_readers.append(reader)
         out_fd = _own_fd(fd) if fd is not None else None
@@ -242,6 +243,7 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
                 os.close(out_fd)
 
     def work_loop() -> None:
+        at_normal_priority()
         scratch = _Scratch()
         while True:
             piece = work.get()

@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from .pagecache import cached_share
+from .reading import at_normal_priority
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +98,7 @@ class Prefetch:
             self._moved.notify_all()
 
     def _run(self) -> None:
+        at_normal_priority()
         started = time.monotonic()
         buf = bytearray(CHUNK)
         view = memoryview(buf)

@@ -476,6 +476,18 @@ def _jobs(plan: list["PlannedTensor"], slots: dict[str, TensorSlot], staging_byt
             yield Job(item, segments, slot, r0, min(rows, r0 + step), True, end, len(starts))
 
 
+def at_normal_priority() -> None:
+    """Run this thread at nice 0 where the process runs higher (the agent raises its own, so that it
+    answers promptly): a load is bulk work, and must not take cores from engines serving meanwhile.
+    On Linux the nice value is per thread; lowering one's own priority needs no privilege."""
+    tid = threading.get_native_id()
+    try:
+        if os.getpriority(os.PRIO_PROCESS, tid) < 0:
+            os.setpriority(os.PRIO_PROCESS, tid, 0)
+    except OSError:
+        pass
+
+
 def default_readers() -> int:
     """Reader threads: enough that a request is in flight while another reader copies (2), more
     on a big host where one thread's kernel copy rate is below the disk's; capped at 4 so the
