@@ -123,7 +123,7 @@ class LocalCluster:
 
     def roles(self) -> dict[str, str]:
         out = {}
-        for node in self.nodes.values():
+        for node in list(self.nodes.values()):  # the client's thread reads while the test adds a revision's node
             for lease in node.leases():
                 if lease.get("pod"):
                     out[lease["pod"]["name"]] = lease["role"]
@@ -165,7 +165,7 @@ class LocalCluster:
         started = time.perf_counter()
         code, body = to.node.http("POST", "/switchover", {"group": f"ns/chat-{group}", "toPod": to.name})
         assert code == 200 and body["ok"], body
-        for node in self.nodes.values():  # a new revision's agent took over: the old one only demotes
+        for node in list(self.nodes.values()):  # a new revision's agent took over: the old one only demotes
             if node is not to.node and any(l["group"] == f"ns/chat-{group}" and l["role"] == "primary"
                                            for l in node.leases()):
                 code, body = node.http("POST", "/switchover", {"group": f"ns/chat-{group}", "toPod": None})
