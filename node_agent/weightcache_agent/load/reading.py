@@ -5,7 +5,8 @@ the same jobs (`JobFeed`: 16 MiB of a plain tensor, or a staging piece of whole 
 blocks of one to cast or quantize) with the same readers (`Reader`) over the same
 descriptors (`Files`: O_DIRECT or buffered, one per file); only where the bytes go
 differs. Nothing here imports torch (a column shard read with O_DIRECT, the one gather,
-does when it happens), so the GPU fill of a plan that only copies bytes runs without it.
+does when it happens), so a fill that copies bytes or quantizes bf16 runs without it. The
+threads that read run at normal priority (`at_normal_priority`), below the agent's own.
 
 Why O_DIRECT: a buffered read costs the reading thread CPU for every byte -- allocating
 page-cache pages, readahead bookkeeping, the copy out of the cache, and later reclaiming
@@ -42,7 +43,6 @@ a few readers taking consecutive jobs in file order, one request is always in fl
 while another thread copies, and the disk still sees one nearly sequential stream.
 With direct reads, two readers already keep a request in flight while the other hands
 its buffer over and takes the next one.
-
 """
 from __future__ import annotations
 
