@@ -275,9 +275,12 @@ def arena_inode(pid: int) -> tuple[int, int]:
     """(device, inode) of the memfd arena the agent process `pid` holds."""
     for fd in os.listdir(f"/proc/{pid}/fd"):
         path = f"/proc/{pid}/fd/{fd}"
-        if os.readlink(path).startswith("/memfd:weightcache:"):
-            st = os.stat(path)
-            return st.st_dev, st.st_ino
+        try:
+            if os.readlink(path).startswith("/memfd:weightcache:"):
+                st = os.stat(path)
+                return st.st_dev, st.st_ino
+        except FileNotFoundError:  # a connection the agent closed meanwhile
+            continue
     raise AssertionError(f"agent {pid} holds no arena")
 
 
@@ -286,10 +289,15 @@ def holders(arena: tuple[int, int]) -> list[int]:
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            fds = [os.stat(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            fds = []
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    fds.append(os.stat(f"/proc/{pid}/fd/{fd}"))
+                except FileNotFoundError:  # closed meanwhile: the process itself is still looked at
+                    pass
             with open(f"/proc/{pid}/maps") as f:
                 mapped = [line.split() for line in f if "memfd:weightcache" in line]
-        except OSError:  # gone meanwhile, or not ours to read
+        except OSError:  # the process gone meanwhile, or not ours to read
             continue
         if any((st.st_dev, st.st_ino) == arena for st in fds) or any(int(m[4]) == arena[1] for m in mapped):
             found.append(int(pid))
