@@ -59,7 +59,6 @@ t0 = time.perf_counter()
 att = attach(module, CacheSpec(model=model), socket=sock)
 first = time.perf_counter() - t0
 out = {"first": first, "phases": att.phases, "later": []}
-a = m = None
 for _ in range(later):
     m = skeleton_module(shapes)
     t1 = time.perf_counter()

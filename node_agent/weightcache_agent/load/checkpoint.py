@@ -62,7 +62,6 @@ class Checkpoint:
         return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
-
 def read_header(path: str) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
     """Parse and check one safetensors file's header; return (raw header, records, metadata)."""
     try:
@@ -131,9 +130,6 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
     return TensorRecord(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
-
-
-
 def open_checkpoint(directory: str) -> Checkpoint:
     """Index a checkpoint directory (single file or sharded with an index) from its headers."""
     directory = os.path.abspath(directory)
@@ -168,7 +164,6 @@ def open_checkpoint(directory: str) -> Checkpoint:
         signature=signature,
         metadata=metadata,
     )
-
 
 
 def _read_config(directory: str) -> dict[str, Any] | None:

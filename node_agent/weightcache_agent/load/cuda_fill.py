@@ -126,14 +126,13 @@ class _DriverSink:
             self._h2d(slot.offset + job.lo * row_bytes, src, nbytes)
         else:  # fp8 of whole 128-row blocks of bf16: their scales are whole rows of the scale slot
             rows, cols = job.hi - job.lo, item.shard.shape[1]
-            scale_slot = self.slots[fp8.scale_name(item.name)]
-            scale_row = scale_slot.shape[1] * 4
-            scale_bytes = -(-rows // fp8.BLOCK) * scale_row
+            scale_at, scale_rows, scale_cols = fp8.scale_rows(self.slots[fp8.scale_name(item.name)], job.lo, rows)
+            scale_bytes = scale_rows * scale_cols * 4
             at = align_up(rows * cols)  # the scales after the e4m3 rows
             out = self._out(k, at + scale_bytes)
             fp8.quantize_bf16_at(src, out, out + at, rows, cols, item.name)
             self._h2d(slot.offset + job.lo * cols, out, rows * cols)
-            self._h2d(scale_slot.offset + job.lo // fp8.BLOCK * scale_row, out + at, scale_bytes)
+            self._h2d(scale_at, out + at, scale_bytes)
         if k is None:
             self._checked(self._cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
             self._free_oneoff()
@@ -327,9 +326,6 @@ def _sink(job: Job, host: "torch.Tensor", dest: "torch.Tensor", slots: dict, row
         out.copy_(src)
         return None
     cols = item.shard.shape[1]
-    scale_slot = slots[fp8.scale_name(item.name)]
-    s_cols = scale_slot.shape[1]
-    s_row0, s_rows = r0 // fp8.BLOCK, -(-n // fp8.BLOCK)
-    s_lo = scale_slot.offset + s_row0 * s_cols * 4
+    s_lo, s_rows, s_cols = fp8.scale_rows(slots[fp8.scale_name(item.name)], r0, n)
     scale = dest[s_lo : s_lo + s_rows * s_cols * 4].view(torch.float32).view(s_rows, s_cols)
     return quantize_blocks(src.view(n, cols), out.view(n, cols), scale)

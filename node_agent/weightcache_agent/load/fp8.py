@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from .checkpoint import Checkpoint
+    from .layout import TensorSlot
 
 try:
     from . import _fp8cpu
@@ -66,6 +67,13 @@ def scale_name(weight_name: str) -> str:
 
 def scale_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return (-(-shape[0] // BLOCK), -(-shape[1] // BLOCK))
+
+
+def scale_rows(scale_slot: "TensorSlot", row0: int, rows: int) -> tuple[int, int, int]:
+    """Where the scales of weight rows [row0, row0 + rows) sit in the arena, a piece being whole
+    128-row blocks (so its scales are whole rows of the scale slot): (offset, scale rows, scale columns)."""
+    cols = scale_slot.shape[1]
+    return scale_slot.offset + row0 // BLOCK * cols * 4, -(-rows // BLOCK), cols
 
 
 def native_quantizer(cols: int) -> bool:

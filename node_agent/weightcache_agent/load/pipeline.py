@@ -67,7 +67,6 @@ log = logging.getLogger(__name__)
 RESERVE_CHUNK = 64 * 1024 * 1024
 
 
-
 class _Reservations:
     """Arena pages reserved on a thread, ahead of the writers, so allocation overlaps the disk.
 
@@ -115,8 +114,6 @@ class _Reservations:
             self.thread.join()
 
 
-
-
 @dataclass
 class _Piece:
     """What a reader hands a worker: rows [lo, hi) of a tensor to transform, or (`plain`) shard
@@ -128,32 +125,6 @@ class _Piece:
     staging: Any  # mmap the bytes were read into
     skip: int = 0
     plain: bool = False
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def _own_fd(fd: int) -> int:
@@ -297,14 +268,6 @@ def default_workers() -> int:
     return max(1, min(usable_cores(), 8))
 
 
-
-
-
-
-
-
-
-
 class _Scratch:
     """A worker's reusable output buffer: faulted in once, then written over piece after piece."""
 
@@ -353,11 +316,9 @@ def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], 
     lo = slot.offset + piece.lo * out_row
     out_bytes = n * out_row
     cols = item.shard.shape[1] if item.transform == "fp8" else 0
-    scale_rows = scale_cols = s_lo = s_bytes = 0
-    if item.transform == "fp8":  # the piece is whole 128-row blocks: its scales are whole rows of the scale slot
-        scale_slot = slots[fp8.scale_name(item.name)]
-        scale_cols, scale_rows = scale_slot.shape[1], -(-n // fp8.BLOCK)
-        s_lo, s_bytes = scale_slot.offset + piece.lo // fp8.BLOCK * scale_cols * 4, scale_rows * scale_cols * 4
+    s_lo, scale_rows, scale_cols = (fp8.scale_rows(slots[fp8.scale_name(item.name)], piece.lo, n)
+                                    if item.transform == "fp8" else (0, 0, 0))
+    s_bytes = scale_rows * scale_cols * 4
     if fd is None:
         out, out_at, scale_at = buffer, lo, s_lo
     else:
