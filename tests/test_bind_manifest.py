@@ -29,26 +29,29 @@ class Block(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(16, 8)
-        self.layers = nn.ModuleList([Block(), Block()])
+        self.layers = nn.ModuleList([Block() for _ in range(layers)])
         self.head = nn.Linear(8, 16, bias=False)
         self.head.weight = self.embed.weight
 
 
-def meta_model() -> Model:
+def meta_model(layers: int = 2) -> Model:
     with torch.device("meta"):
-        return Model()
+        return Model(layers)
 
 
-def arena(extra: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict, dict]:
-    """A uint8 arena holding the Model's tensors (tied head named once) in manifest order."""
+def arena(extra: dict[str, torch.Tensor] | None = None, drop: tuple[str, ...] = (), layers: int = 2,
+          order=None) -> tuple[torch.Tensor, dict, dict]:
+    """A uint8 arena holding the Model's tensors (tied head named once) in manifest order,
+    or in the order `order` sorts their names."""
     g = torch.Generator().manual_seed(1)
-    values = {n: (torch.randn(t.shape, generator=g) * 10).to(t.dtype) for n, t in meta_model().state_dict().items()
+    values = {n: (torch.randn(t.shape, generator=g) * 10).to(t.dtype) for n, t in meta_model(layers).state_dict().items()
               if n != "head.weight" and n not in drop}
     values.update(extra or {})
-    layout = lay_out([(n, t.dtype, tuple(t.shape), "weight") for n, t in values.items()])
+    names = sorted(values, key=order) if order else list(values)
+    layout = lay_out([(n, values[n].dtype, tuple(values[n].shape), "weight") for n in names])
     base = torch.zeros(layout.size, dtype=torch.uint8)
     for slot in layout.slots:
         base[slot.offset:slot.offset + slot.nbytes].copy_(values[slot.name].contiguous().view(-1).view(torch.uint8))
@@ -124,3 +127,28 @@ def test_malformed_columns_are_refused(native):
                    {**columns, "offset": [2 ** 40] * len(columns["name"])}):
         with pytest.raises((ValueError, IndexError, TypeError, RuntimeError)):
             bind_manifest(meta_model(), base, broken, native=native)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_rows_in_runs_and_out_of_them_each_get_their_own_bytes(native):
+    """The C loop makes like rows of evenly spaced layers a run at a time; layers out of
+    order (the arena holds layer 3 last) break the runs, and every row still gets its bytes."""
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena(layers=9, order=lambda name: name.startswith("layers.3."))
+    m = meta_model(layers=9)
+    bind_manifest(m, base, columns, native=native)
+    for name, t in m.state_dict().items():
+        assert torch.equal(t, values["embed.weight" if name == "head.weight" else name]), name
+    assert len({t.data_ptr() for t in m.state_dict().values()}) == len(values)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_run_that_reaches_past_the_arena_is_refused_and_swaps_nothing(native):
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, _ = arena(layers=9)
+    m = meta_model(layers=9)
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        bind_manifest(m, base[:columns["offset"][-2]].clone(), columns, native=native)
+    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())

@@ -1,7 +1,8 @@
 /* The attach hot loop in C: build a view per manifest row and swap it into the module.
  *
  * Same contract as `rebind.bind_manifest`'s Python path, minus the diagnostics: one walk of
- * the module tree, one strided view per manifest row, each resolved to the module's own
+ * the module tree, one strided view per manifest row (made a run of like rows at a time,
+ * see `make_views`), each resolved to the module's own
  * parameter or buffer and checked for shape and dtype, and -- only once every row checked
  * out -- each view's storage swapped into that tensor. Anything unusual (a row with no
  * owner, a shape or dtype that disagrees, a tensor left on meta, a name that collides with
@@ -146,6 +147,97 @@ static int extra_place(Tree *tree, PyObject *name, PyObject **owner, PyObject **
     return 1;
 }
 
+/* A view of `form` at element `start`; with count > 0, a view of `count` of them `step` elements apart. */
+static PyObject *strided(PyObject *form, long long start, Py_ssize_t count, long long step) {
+    PyObject *shape = PyTuple_GET_ITEM(form, 1), *stride = PyTuple_GET_ITEM(form, 2);
+    PyObject *first = PyLong_FromLongLong(start);
+    if (first == NULL)
+        return NULL;
+    if (count > 0) {
+        PyObject *lead_shape = Py_BuildValue("(n)", count), *lead_stride = Py_BuildValue("(L)", step);
+        shape = lead_shape ? PySequence_Concat(lead_shape, shape) : NULL;
+        stride = lead_stride && shape ? PySequence_Concat(lead_stride, stride) : NULL;
+        Py_XDECREF(lead_shape);
+        Py_XDECREF(lead_stride);
+        if (stride == NULL) {
+            Py_XDECREF(shape);
+            Py_DECREF(first);
+            return NULL;
+        }
+    }
+    PyObject *call_args[3] = {shape, stride, first};
+    PyObject *view = PyObject_Vectorcall(PyTuple_GET_ITEM(form, 0), call_args, 3, NULL);
+    if (count > 0) {
+        Py_DECREF(shape);
+        Py_DECREF(stride);
+    }
+    Py_DECREF(first);
+    return view;
+}
+
+#define MAX_PERIOD 16  /* tensors of one form in one layer, at most, for runs to be found */
+
+/* A view per row into views[], made a run at a time: rows of one form whose starts step evenly
+ * -- the same tensor of every layer, one of `period` rows of that form per layer -- come out of
+ * one view of the whole run, unbound along its first dimension. That is one torch call per
+ * run, where a view each from `as_strided` costs twice what unbinding one does. A run torch
+ * refuses (it reaches past the arena) is made row by row, so the error is the row's own. */
+static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long long *start, Py_ssize_t n,
+                      PyObject **views) {
+    Py_ssize_t nforms = PyList_GET_SIZE(forms);
+    Py_ssize_t *next = PyMem_Calloc(nforms + 1, sizeof *next), *order = PyMem_Malloc((n + 1) * sizeof *order);
+    PyObject *parts = NULL;
+    int rc = -1;
+    if (next == NULL || order == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)  /* rows grouped by form, manifest order kept within a form */
+        next[form_of[i] + 1]++;
+    for (Py_ssize_t f = 0; f < nforms; f++)
+        next[f + 1] += next[f];
+    for (Py_ssize_t i = 0; i < n; i++)
+        order[next[form_of[i]]++] = i;
+    /* next[f] is now where form f's rows end in `order`; a row is done once views[row] is set */
+    for (Py_ssize_t k = 0, f = 0; k < n; k++) {
+        while (next[f] <= k)
+            f++;
+        Py_ssize_t row = order[k], period = 0, length = 1;
+        if (views[row] != NULL)
+            continue;
+        for (Py_ssize_t p = 1; p <= MAX_PERIOD && k + p < next[f]; p++) {
+            long long step = start[order[k + p]] - start[row];
+            Py_ssize_t len = 1;
+            while (step >= 0 && k + len * p < next[f] && views[order[k + len * p]] == NULL &&
+                   start[order[k + len * p]] - start[order[k + (len - 1) * p]] == step)
+                len++;
+            if (len > length)
+                length = len, period = p;
+        }
+        PyObject *form = PyList_GET_ITEM(forms, f);
+        if (length >= 2) {
+            PyObject *run = strided(form, start[row], length, start[order[k + period]] - start[row]);
+            parts = run ? PyObject_CallMethod(run, "unbind", NULL) : NULL;
+            Py_XDECREF(run);
+            if (parts != NULL && PyTuple_Check(parts) && PyTuple_GET_SIZE(parts) == length) {
+                for (Py_ssize_t t = 0; t < length; t++)
+                    views[order[k + t * period]] = Py_NewRef(PyTuple_GET_ITEM(parts, t));
+                Py_CLEAR(parts);
+                continue;
+            }
+            Py_CLEAR(parts);
+            PyErr_Clear();
+        }
+        if ((views[row] = strided(form, start[row], 0, 0)) == NULL)
+            goto done;
+    }
+    rc = 0;
+done:
+    PyMem_Free(next);
+    PyMem_Free(order);
+    return rc;
+}
+
 /* bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
  *
  * forms: list of (as_strided of the arena viewed as the form's dtype, shape tuple, stride tuple,
@@ -171,11 +263,15 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     }
     Tree tree = {PyDict_New(), PyDict_New()};
     PyObject *targets = PyList_New(0), *bound = PySet_New(NULL), *tensors = PyDict_New(), *extras = PyList_New(0);
+    Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of);
+    long long *start = PyMem_Malloc((n + 1) * sizeof *start);
+    PyObject **views = PyMem_Calloc(n + 1, sizeof *views);
     PyObject *result = NULL;
     Py_ssize_t covered = 0;
-    if (!tree.modules || !tree.declared || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0)
+    if (form_of == NULL || start == NULL || views == NULL) {
+        PyErr_NoMemory();
         goto done;
-
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *name = PyList_GET_ITEM(names, i), *fi = PyList_GET_ITEM(form_index, i);
         PyObject *offset = PyList_GET_ITEM(offsets, i);
@@ -191,23 +287,23 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "tensor %R: form %zd is not one of the %zd forms", name, f, nforms);
             goto done;
         }
-        PyObject *form = PyList_GET_ITEM(forms, f);
-        long long itemsize = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 3));
+        long long itemsize = PyLong_AsLongLong(PyTuple_GET_ITEM(PyList_GET_ITEM(forms, f), 3));
         if (itemsize <= 0 || at < 0 || at % itemsize) {
             PyErr_Format(PyExc_ValueError, "tensor %R at offset %lld is not aligned to its elements", name, at);
             goto done;
         }
-        PyObject *start = PyLong_FromLongLong(at / itemsize);
-        if (start == NULL)
+        form_of[i] = f;
+        start[i] = at / itemsize;
+    }
+    if (!tree.modules || !tree.declared || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0 ||
+        make_views(forms, form_of, start, n, views) < 0)
+        goto done;
+
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *name = PyList_GET_ITEM(names, i), *view = views[i];
+        PyObject *form = PyList_GET_ITEM(forms, form_of[i]);
+        if (PyDict_SetItem(tensors, name, view) < 0)
             goto done;
-        PyObject *call_args[3] = {PyTuple_GET_ITEM(form, 1), PyTuple_GET_ITEM(form, 2), start};
-        PyObject *view = PyObject_Vectorcall(PyTuple_GET_ITEM(form, 0), call_args, 3, NULL);
-        Py_DECREF(start);
-        if (view == NULL || PyDict_SetItem(tensors, name, view) < 0) {
-            Py_XDECREF(view);
-            goto done;
-        }
-        Py_DECREF(view);  /* `tensors` holds it */
 
         PyObject *current = PyDict_GetItemWithError(tree.declared, name);  /* borrowed */
         if (current == NULL) {
@@ -273,6 +369,12 @@ static PyObject *bind(PyObject *self, PyObject *args) {
 unclean:  /* nothing swapped: the Python path names every problem */
     result = Py_NewRef(Py_None);
 done:
+    if (views != NULL)
+        for (Py_ssize_t i = 0; i < n; i++)
+            Py_XDECREF(views[i]);
+    PyMem_Free(views);
+    PyMem_Free(form_of);
+    PyMem_Free(start);
     Py_XDECREF(tree.modules);
     Py_XDECREF(tree.declared);
     Py_XDECREF(targets);
