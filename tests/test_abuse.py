@@ -9,9 +9,11 @@ The random frames are seeded (WEIGHTCACHE_FUZZ_SEED, default fixed) and counted
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -365,3 +367,65 @@ def test_random_frames(agent, model, disk, capsys):
     assert rss - agent.baseline_rss < 64 << 20, "the agent's RSS grew by more than 64 MiB"
     serves_correctly(agent, disk)
     no_traceback(agent)
+
+
+# -- status requests waiting at accept -------------------------------------------------------------------------
+@contextlib.contextmanager
+def stopped(agent: LoggedAgent):
+    """The agent process stopped while the block runs: what clients connect and send meanwhile
+    waits whole in the socket's backlog, as under a burst the agent has not caught up with."""
+    os.kill(agent.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(agent.proc.pid, signal.SIGCONT)
+
+
+def test_status_requests_found_waiting_at_accept_are_answered_like_any_other(agent, model, healthy_after):
+    """Status requests already whole when the agent accepts them are answered on the agent's
+    status thread, not a thread of their own: behind connections that fill every pending slot
+    they are still answered; one carrying fds gets the same refusal as anywhere; a connection
+    that asks for status and then attaches gets its manifest."""
+    r, w = os.pipe()
+    with stopped(agent):
+        silent = [raw(agent.socket, timeout=10) for _ in range(MAX_PENDING + 4)]
+        asking = [raw(agent.socket, timeout=10) for _ in range(8)]
+        for s in asking:
+            protocol.send_message(s, {"type": "status"})
+        with_fds = raw(agent.socket, timeout=10)
+        protocol.send_message(with_fds, {"type": "status"}, [r])
+        then_attach = raw(agent.socket, timeout=10)
+        protocol.send_message(then_attach, {"type": "status"})
+        protocol.send_message(then_attach, attach_message(model))
+    try:
+        for s in asking:
+            message, _ = protocol.recv_message(s, protocol.MAX_REPLY_BYTES)
+            assert message["type"] == "status" and message["phase"] == "ready"
+        refusal = drain(with_fds)
+        assert b"file descriptors sent with a 'status' message" in refusal, refusal
+        status, _ = protocol.recv_message(then_attach, protocol.MAX_REPLY_BYTES)
+        manifest, fds = protocol.recv_message(then_attach, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+        assert status["type"] == "status" and manifest["type"] == "manifest" and len(fds) == 1, manifest
+        for fd in fds:
+            os.close(fd)
+    finally:
+        for s in silent + asking + [with_fds, then_attach]:
+            s.close()
+        os.close(r)
+        os.close(w)
+
+
+def test_status_requests_whose_answers_are_never_read_cost_nothing(agent, healthy_after):
+    """Clients that ask for status and never read the answer: each answer fits the socket's
+    buffer, so none holds the status thread; a real status request right after is answered."""
+    with stopped(agent):
+        idle = [raw(agent.socket) for _ in range(4 * MAX_PENDING)]
+        for s in idle:
+            protocol.send_message(s, {"type": "status"})
+    try:
+        t0 = time.monotonic()
+        assert ask(agent.socket, {"type": "status"})["phase"] == "ready"
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        for s in idle:
+            s.close()

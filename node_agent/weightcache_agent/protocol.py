@@ -185,6 +185,27 @@ def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None)
     return bytes(buf)
 
 
+_STATUS_PEEK = HEADER.size + 64  # {"type":"status"} with room to spare
+
+
+def waiting_status_request(sock: socket.socket) -> bool:
+    """Whether the whole first frame already waiting on `sock` is a status request; reads
+    nothing and never blocks (a peek), so a caller may route the connection by it."""
+    try:
+        data = sock.recv(_STATUS_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:
+        return False
+    if len(data) < HEADER.size:
+        return False
+    magic, version, _reserved, length = HEADER.unpack_from(data)
+    if magic != MAGIC or version != PROTOCOL_VERSION or len(data) < HEADER.size + length:
+        return False
+    try:
+        return decode_body(data[HEADER.size:HEADER.size + length])["type"] == "status"
+    except ProtocolError:
+        return False
+
+
 def _close_ancillary(ancdata: list[tuple[int, int, bytes]]) -> None:
     fds = array.array("i")
     for level, kind, payload in ancdata:

@@ -29,6 +29,7 @@ import itertools
 import json
 import logging
 import os
+import queue
 import re
 import resource
 import secrets
@@ -60,6 +61,9 @@ FREE_BYTES_TTL = 1.0  # seconds a reading of free memory is served before it is 
 HANDSHAKE_TIMEOUT = 10.0  # seconds for a connection's whole first request, however slowly it arrives
 MAX_LEASES = 256  # engines per GPU; far above any real deployment, low enough to keep status small
 MAX_PENDING = 64  # connections still in their first request; past it the oldest is dropped
+# A status reply is far smaller than a socket's buffer: a client that makes sending it
+# wait this long is dropped, so that the one status thread never waits on it again.
+STATUS_SEND_TIMEOUT = 0.5
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,252}")  # Kubernetes-style names, bounded
 MAX_TOKEN_CHARS = 128
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
@@ -158,6 +162,10 @@ class Agent:
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._closed = threading.Event()
+        # Accepted connections, (conn, key, pid, uid), on their way to a thread: see _accept_loop.
+        self._status_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._client_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting_slots = threading.BoundedSemaphore(max_pending)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -191,7 +199,9 @@ class Agent:
         log.info("listening on %s (allowed: %s)", self.socket_path, self.policy.describe())
 
     def start(self) -> None:
-        threading.Thread(target=self._accept_loop, name="accept", daemon=True).start()
+        for target, name in ((self._accept_loop, "accept"), (self._status_loop, "status"),
+                             (self._client_loop, "clients")):
+            threading.Thread(target=target, name=name, daemon=True).start()
 
     def load(self) -> None:
         """Prepare from headers, then adopt an arena an engine hands back, or load from disk.
@@ -406,6 +416,8 @@ class Agent:
         if self._closed.is_set():
             return
         self._closed.set()
+        self._status_queue.put(None)
+        self._client_queue.put(None)
         if self._listener is not None:
             try:
                 os.unlink(self.socket_path)
@@ -474,14 +486,25 @@ class Agent:
         return out
 
     # -- connections -------------------------------------------------------------------------
+    #
+    # The accept thread never waits on a client: `Thread.start()` returns only once the new
+    # thread runs, which under the GIL of dozens of attaching engines took 3-6 ms, and a status
+    # request behind them waited for every one of those starts. The accept thread routes each
+    # connection instead: a status request whose bytes are already there goes to the status
+    # thread, which answers it at once; anything else to the thread that starts a thread per
+    # client. At most `max_pending` connections wait for their thread; past that the accept
+    # thread waits too, and the kernel's backlog holds the rest, as it did before.
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
         ids = itertools.count()
         while not self._closed.is_set():
+            if not self._waiting_slots.acquire(timeout=0.5):
+                continue  # too many wait for a thread: leave the next in the backlog a while
             try:
                 conn, _ = self._listener.accept()
             except OSError as e:
+                self._waiting_slots.release()
                 if self._closed.is_set():
                     return
                 if e.errno in (errno.EMFILE, errno.ENFILE):
@@ -493,19 +516,54 @@ class Agent:
                 continue
             pid, uid, gid = protocol.peer_credentials(conn)
             if not self.policy.allows(uid, gid, peer_groups(conn) if self.policy.gid is not None else ()):
+                self._waiting_slots.release()
                 log.warning("refused pid=%s uid=%s gid=%s: not allowed on this socket (allowed: %s)", pid, uid, gid,
                             self.policy.describe())
                 conn.setblocking(False)
                 _try_send(conn, protocol.error_message("forbidden", "this uid may not use the agent's socket"))
                 conn.close()
                 continue
-            key = next(ids)
-            with self._pending_lock:
-                self._pending[key] = conn
-                over = len(self._pending) > self.max_pending
-            if over:
-                self._drop_oldest_pending()
-            threading.Thread(target=self._serve, args=(conn, key, pid, uid), name="client", daemon=True).start()
+            client = (conn, next(ids), pid, uid)
+            if protocol.waiting_status_request(conn):
+                self._waiting_slots.release()
+                self._status_queue.put(client)
+            else:
+                self._client_queue.put(client)
+
+    def _client_loop(self) -> None:
+        for client in iter(self._client_queue.get, None):
+            try:
+                threading.Thread(target=self._serve, args=client, name="client", daemon=True).start()
+            except RuntimeError as e:  # out of threads: this client goes, the agent keeps serving
+                log.warning("client pid=%s dropped: %s", client[2], e)
+                client[0].close()
+            finally:
+                self._waiting_slots.release()
+
+    def _status_loop(self) -> None:
+        """Answer the status request waiting on each connection, then hand the connection on
+        for whatever the client asks next (or closed, where too many already wait)."""
+        for client in iter(self._status_queue.get, None):
+            conn, pid = client[0], client[2]
+            try:
+                conn.settimeout(STATUS_SEND_TIMEOUT)
+                _, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS)
+                _refuse_fds("status", fds)
+                protocol.send_message(conn, self.status())
+            except Exception as e:
+                if isinstance(e, ProtocolError):
+                    log.warning("client pid=%s dropped: %s", pid, e)
+                    _try_send(conn, protocol.error_message("protocol", str(e)))
+                elif isinstance(e, (OSError, EOFError)):
+                    log.warning("client pid=%s dropped: %s", pid, e)
+                else:
+                    log.exception("client pid=%s dropped after an internal error", pid)
+                conn.close()
+                continue
+            if self._waiting_slots.acquire(blocking=False):
+                self._client_queue.put(client)
+            else:
+                conn.close()
 
     def _drop_oldest_pending(self) -> None:
         """Make room: a connection still sending its first request is dropped, oldest first."""
@@ -520,16 +578,19 @@ class Agent:
 
     def _serve(self, conn: socket.socket, key: int, peer: int | None, uid: int) -> None:
         lease: Lease | None = None
+        with self._pending_lock:
+            self._pending[key] = conn
+            over = len(self._pending) > self.max_pending
+        if over:
+            self._drop_oldest_pending()
         try:
             deadline = time.monotonic() + self.handshake_timeout
             while lease is None:
                 message, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS,
                                                      deadline=deadline)
                 kind = message["type"]
-                if fds and kind != "rejoin":
-                    for fd in fds:
-                        os.close(fd)
-                    raise ProtocolError(f"file descriptors sent with a {kind!r} message")
+                if kind != "rejoin":
+                    _refuse_fds(kind, fds)
                 if kind == "status":
                     conn.settimeout(self.handshake_timeout)
                     protocol.send_message(conn, self.status())
@@ -983,6 +1044,14 @@ def remove_socket_files(socket_path: str) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _refuse_fds(kind: str, fds: list[int]) -> None:
+    """Only a rejoin carries fds: any sent with another request are closed, and it is refused."""
+    for fd in fds:
+        os.close(fd)
+    if fds:
+        raise ProtocolError(f"file descriptors sent with a {kind!r} message")
 
 
 def _try_send(conn: socket.socket, message: dict[str, Any]) -> None:
