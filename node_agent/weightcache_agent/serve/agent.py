@@ -492,8 +492,9 @@ class Agent:
     # request behind them waited for every one of those starts. The accept thread routes each
     # connection instead: a status request whose bytes are already there goes to the status
     # thread, which answers it at once; anything else to the thread that starts a thread per
-    # client. At most `max_pending` connections wait for their thread; past that the accept
-    # thread waits too, and the kernel's backlog holds the rest, as it did before.
+    # client. At most `max_pending` connections wait for their thread (a status connection
+    # waits for one too, for whatever it asks next); past that the accept thread waits, and
+    # the kernel's backlog holds the rest, as it did before.
 
     def _accept_loop(self) -> None:
         assert self._listener is not None
@@ -523,9 +524,8 @@ class Agent:
                 _try_send(conn, protocol.error_message("forbidden", "this uid may not use the agent's socket"))
                 conn.close()
                 continue
-            client = (conn, next(ids), pid, uid)
+            client = (conn, next(ids), pid, uid)  # holds its waiting slot until it has a thread
             if protocol.waiting_status_request(conn):
-                self._waiting_slots.release()
                 self._status_queue.put(client)
             else:
                 self._client_queue.put(client)
@@ -542,7 +542,7 @@ class Agent:
 
     def _status_loop(self) -> None:
         """Answer the status request waiting on each connection, then hand the connection on
-        for whatever the client asks next (or closed, where too many already wait)."""
+        for whatever the client asks next."""
         for client in iter(self._status_queue.get, None):
             conn, pid = client[0], client[2]
             try:
@@ -559,11 +559,9 @@ class Agent:
                 else:
                     log.exception("client pid=%s dropped after an internal error", pid)
                 conn.close()
+                self._waiting_slots.release()
                 continue
-            if self._waiting_slots.acquire(blocking=False):
-                self._client_queue.put(client)
-            else:
-                conn.close()
+            self._client_queue.put(client)
 
     def _drop_oldest_pending(self) -> None:
         """Make room: a connection still sending its first request is dropped, oldest first."""
