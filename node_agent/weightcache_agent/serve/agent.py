@@ -2,9 +2,10 @@
 
 Flow: `bind()` claims the socket path (a lock file makes two agents on one path
 impossible; a stale socket from a dead agent is replaced, a live one never), `start()`
-accepts connections on a thread, `load()` runs the cold path. Each connection gets a
-thread: its peer's credentials are checked against the socket policy (serve/access.py);
-status requests are answered at once; an attach waits until the cache is ready, checks
+accepts connections on a thread, `load()` runs the cold path. The accept thread checks
+each peer's credentials against the socket policy (serve/access.py), hands a status
+request already waiting to the status thread, which answers it at once, and gives every
+other connection a thread of its own; an attach waits until the cache is ready, checks
 the engine's fingerprint fields, and replies with the manifest plus the arena fd. From
 then on the connection *is* the lease: when it drops, the agent knows the engine is
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
