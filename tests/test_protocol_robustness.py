@@ -189,3 +189,28 @@ def test_files_the_agent_read_are_vouched_for_by_signature_a_copy_must_send_its_
         f.write(" ")  # an edit: signature and content identity both change
     changed = ask(engine_request(CacheSpec(model=copy), with_revision=True))
     assert changed["code"] == "fingerprint_mismatch" and changed["engine_fields"]["content"] != changed["fields"]["content"]
+
+
+@pytest.mark.parametrize("sent,expected", [
+    (protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, 17) + b'{"type":"status"}', True),
+    (protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, 17) + b'{"type":"sta', False),  # not whole yet
+    (protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, 0, 17) + b'{"type":"attach"}', False),
+    (protocol.HEADER.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION + 1, 0, 17) + b'{"type":"status"}', False),
+    (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", False),
+    (b"", False),
+])
+def test_a_waiting_status_request_is_recognised_without_reading_it(sent, expected):
+    """The agent routes a connection by its first frame only when that frame is a whole status
+    request already there; the peek never blocks and leaves every byte to be read."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        theirs.sendall(sent)
+        t0 = time.monotonic()
+        assert protocol.waiting_status_request(ours) is expected
+        assert time.monotonic() - t0 < 0.5
+        ours.setblocking(False)
+        left = ours.recv(4096) if sent else b""
+        assert left == sent
+    finally:
+        ours.close()
+        theirs.close()
