@@ -551,18 +551,18 @@ class Agent:
                 _, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS)
                 _refuse_fds("status", fds)
                 protocol.send_message(conn, self.status())
-            except Exception as e:
-                if isinstance(e, ProtocolError):
-                    log.warning("client pid=%s dropped: %s", pid, e)
-                    _try_send(conn, protocol.error_message("protocol", str(e)))
-                elif isinstance(e, (OSError, EOFError)):
-                    log.warning("client pid=%s dropped: %s", pid, e)
-                else:
-                    log.exception("client pid=%s dropped after an internal error", pid)
-                conn.close()
-                self._waiting_slots.release()
+            except ProtocolError as e:
+                log.warning("client pid=%s dropped: %s", pid, e)
+                _try_send(conn, protocol.error_message("protocol", str(e)))
+            except (OSError, EOFError) as e:
+                log.warning("client pid=%s dropped: %s", pid, e)
+            except Exception:
+                log.exception("client pid=%s dropped after an internal error", pid)
+            else:
+                self._client_queue.put(client)
                 continue
-            self._client_queue.put(client)
+            conn.close()
+            self._waiting_slots.release()
 
     def _drop_oldest_pending(self) -> None:
         """Make room: a connection still sending its first request is dropped, oldest first."""
