@@ -114,7 +114,7 @@ def right_bytes(agent: LoggedAgent, disk: dict[str, torch.Tensor]) -> None:
         assert att.source == "agent"
         params = dict(module.named_parameters())
         assert set(params) == set(disk)
-        assert all(torch.equal(params[n], disk[n]) for n in disk), "the agent served bytes that differ from disk"
+        assert all(torch.equal(params[n].cpu(), disk[n]) for n in disk), "the agent served bytes that differ from disk"
 
 
 def serves_correctly(agent: LoggedAgent, disk: dict[str, torch.Tensor], leases_left: int = 0) -> None:
@@ -125,7 +125,7 @@ def serves_correctly(agent: LoggedAgent, disk: dict[str, torch.Tensor], leases_l
         assert att.source == "agent"
         params = dict(module.named_parameters())
         assert set(params) == set(disk)
-        assert all(torch.equal(params[n], disk[n]) for n in disk), "the agent served bytes that differ from disk"
+        assert all(torch.equal(params[n].cpu(), disk[n]) for n in disk), "the agent served bytes that differ from disk"
     finally:
         att.close()
     wait_for(lambda: len(agent.status()["clients"]) <= leases_left, 10, "the check's own lease ending")
