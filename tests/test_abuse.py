@@ -209,6 +209,8 @@ def test_a_lease_whose_state_cannot_be_written_is_rolled_back(agent, model, heal
 
 @pytest.mark.parametrize("body,expected", [
     (b'{"type":"status","x":' + b"[" * 5000 + b"]" * 5000 + b"}", "nests too deeply"),
+    # deep enough to refuse, shallow enough that every interpreter's parser accepts it
+    (b'{"type":"status","x":' + b"[" * 100 + b"]" * 100 + b"}", "nests too deeply"),
     (b'{"type":"attach","pid":' + b"9" * 5000 + b"}", "not acceptable JSON"),
     (b'{"type":"attach","role":"primary","group":null,"request":{"spec":' + b'{"a":' * 5000 + b"1"
      + b"}" * 5000 + b"}}", "nests too deeply"),

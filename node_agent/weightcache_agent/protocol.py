@@ -54,6 +54,7 @@ MAX_FDS = 64  # what a client accepts with a manifest
 # What the agent accepts with a request: only a `rejoin` carries fds (one per arena), and
 # only on the first segment of its frame; anything more is closed by the kernel or by us.
 MAX_REQUEST_FDS = 4
+MAX_JSON_DEPTH = 32  # far deeper than any message of ours nests
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
@@ -112,17 +113,35 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
 def parse_json(body: bytes) -> Any:
     """JSON from a peer, or `ValueError` with one line saying why not ("is not valid JSON: ...").
 
-    Nesting too deep for the parser and integers too long to convert are refused like any
-    other malformed body, so that no peer can turn a request into a traceback.
+    Nesting deeper than `MAX_JSON_DEPTH` and integers too long to convert are refused like
+    any other malformed body, so that no peer can turn a request into a traceback. The depth
+    is ours, not the parser's: how deep `json` goes before giving up differs between
+    interpreter versions (3.11 stops near 1000 levels, 3.12 goes past 5000).
     """
     try:
-        return json.loads(body)
+        value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"is not valid JSON: {e}") from None
     except RecursionError:
         raise ValueError("nests too deeply") from None
     except ValueError as e:  # integers beyond the interpreter's digit limit
         raise ValueError(f"is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
+    # Fewer brackets than the limit cannot nest past it: the walk runs only for bodies with many.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nesting(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"nests too deeply (more than {MAX_JSON_DEPTH} levels)")
+    return value
+
+
+def _nesting(value: Any) -> int:
+    """How deep lists and objects nest in `value`, counted up to just past `MAX_JSON_DEPTH`."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_JSON_DEPTH:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
