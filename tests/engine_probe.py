@@ -60,7 +60,7 @@ def main() -> None:
                    "read_only": all(not p.requires_grad for p in params.values())}
         elif cmd == "verify":
             disk = load_file(os.path.join(model, "model.safetensors"))
-            out = {"identical": all(torch.equal(disk[n], params[n]) for n in disk) and set(disk) == set(params)}
+            out = {"identical": all(torch.equal(disk[n], params[n].cpu()) for n in disk) and set(disk) == set(params)}
         elif cmd == "write":
             first = next(iter(params.values()))
             print(json.dumps({"writing": True}), flush=True)
