@@ -120,7 +120,7 @@ def test_fallback_loads_from_disk_on_mismatch_or_missing_agent(model, agent, tmp
     assert att.source == "disk"
     disk = load_file(os.path.join(model, "model.safetensors"))
     params = dict(module.named_parameters())
-    assert all(torch.equal(disk[n].half(), params[n]) for n in disk)
+    assert all(torch.equal(disk[n].half(), params[n].cpu()) for n in disk)
     with pytest.raises(AgentUnavailable, match="no agent answers"):
         attach(meta_module(model), CacheSpec(model=model), socket=str(tmp_path / "none.sock"))
     assert attach(meta_module(model), CacheSpec(model=model), socket=str(tmp_path / "none.sock"), fallback=True).source == "disk"
@@ -145,7 +145,7 @@ def test_off_mode_matches_disk_bit_for_bit(model):
     assert att.source == "disk"
     disk = load_file(os.path.join(model, "model.safetensors"))
     params = dict(module.named_parameters())
-    assert all(torch.equal(disk[n], params[n]) for n in disk)
+    assert all(torch.equal(disk[n], params[n].cpu()) for n in disk)
 
 
 def test_daemon_mode_starts_one_agent_and_reuses_it(model, tmp_path):
