@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import fp8
 from ..errors import CheckpointError
-from .dtypes import BFLOAT16, torch_dtype
+from .dtypes import torch_dtype
 from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
 from .reading import (ALIGN, STAGING_BYTES, Files, Job, JobFeed, LockedProgress, Reader, align_up, at_normal_priority,
@@ -163,8 +163,7 @@ class _DriverSink:
 
 def driver_fills(plan: list["PlannedTensor"]) -> bool:
     """Whether the driver sink can fill this plan: bytes as they are, or bf16 quantized by the C quantizer."""
-    return all(p.transform == "read" or (p.transform == "fp8" and p.source.dtype == BFLOAT16
-                                         and fp8.native_quantizer(p.shard.shape[1])) for p in plan)
+    return all(p.transform == "read" or fp8.quantized_natively(p) for p in plan)
 
 
 class _TorchSink:

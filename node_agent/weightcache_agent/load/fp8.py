@@ -24,12 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, UnsupportedQuantization
 from ..quantization import check_quantization
+from .dtypes import BFLOAT16
 
 if TYPE_CHECKING:
     import torch
 
     from .checkpoint import Checkpoint
     from .layout import TensorSlot
+    from .plan import PlannedTensor
 
 try:
     from . import _fp8cpu
@@ -79,6 +81,12 @@ def scale_rows(scale_slot: "TensorSlot", row0: int, rows: int) -> tuple[int, int
 def native_quantizer(cols: int) -> bool:
     """Whether `quantize_bf16_at` takes rows `cols` wide (built, and within its per-row buffers)."""
     return _fp8cpu is not None and cols <= 1 << 20
+
+
+def quantized_natively(item: "PlannedTensor") -> bool:
+    """Whether a planned tensor is bf16 -> FP8 that `quantize_bf16_at` makes (on addresses, no torch):
+    the one test the cpu and GPU fills share for when torch is not needed."""
+    return item.transform == "fp8" and item.source.dtype == BFLOAT16 and native_quantizer(item.shard.shape[1])
 
 
 def quantize_bf16_at(src: int, out: int, scale: int, rows: int, cols: int, name: str = "?") -> None:

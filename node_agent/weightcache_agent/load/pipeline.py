@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fp8
-from .dtypes import BFLOAT16, torch_dtype
+from .dtypes import torch_dtype
 from .layout import ArenaLayout, TensorSlot
 from .plan import LoadProgress, PlannedTensor
 from .reading import (ALIGN, DIRECT_IO_ENV, STAGING_BYTES, Files, JobFeed, LockedProgress, Reader, align_up,
@@ -324,7 +324,7 @@ def _transform(piece: _Piece, buffer: memoryview, slots: dict[str, TensorSlot], 
     else:
         scale_at = -(-out_bytes // 64) * 64  # the scales after the weight, aligned
         out, out_at = scratch.get(scale_at + s_bytes if item.transform == "fp8" else out_bytes), 0
-    if item.transform == "fp8" and item.source.dtype == BFLOAT16 and fp8.native_quantizer(cols):
+    if fp8.quantized_natively(item):
         at = _address(out)
         fp8.quantize_bf16_at(_address(piece.staging) + piece.skip, at + out_at, at + scale_at, n, cols, item.name)
     else:
