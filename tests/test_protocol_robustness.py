@@ -12,6 +12,7 @@ import pytest
 
 from agent_fixtures import AgentProcess, Probe, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
+from weightcache_agent.errors import ProtocolError
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
@@ -214,3 +215,12 @@ def test_a_waiting_status_request_is_recognised_without_reading_it(sent, expecte
     finally:
         ours.close()
         theirs.close()
+
+
+def test_nesting_is_capped_for_what_peers_send_and_not_for_the_agents_manifest():
+    deep = b'{"type":"status","x":' + b"[" * 40 + b"]" * 40 + b"}"
+    wide = b'{"type":"manifest","forms":[' + b",".join([b'["bfloat16",[4,4],[4,1]]'] * 200) + b"]}"
+    with pytest.raises(ProtocolError, match="nests too deeply"):
+        protocol.decode_body(deep)
+    assert protocol.decode_body(deep, max_depth=None)["type"] == "status"
+    assert len(protocol.decode_body(wide)["forms"]) == 200  # many brackets, shallow: walked and accepted

@@ -73,14 +73,14 @@ def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | 
         sock.sendall(header + body)
 
 
-def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
-                 deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline: float | None = None,
+                 max_depth: int | None = MAX_JSON_DEPTH) -> tuple[dict[str, Any], list[int]]:
     """Read one frame. Returns (message, fds); the caller owns the fds.
 
     fds are taken only with the first bytes of a frame: a peer that attaches more to later
     segments gets a `ProtocolError` and every fd it sent is closed. `deadline` (a
     `time.monotonic()` value) bounds the whole frame, however slowly its bytes arrive;
-    past it, `socket.timeout` is raised.
+    past it, `socket.timeout` is raised. `max_depth`: see `parse_json`.
     """
     header = bytearray()
     fds: list[int] = []
@@ -102,7 +102,7 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
         body = _recv_exact(sock, length, deadline)
-        message = decode_body(body)
+        message = decode_body(body, max_depth)
         return message, fds
     except BaseException:
         for fd in fds:
@@ -110,13 +110,15 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0,
         raise
 
 
-def parse_json(body: bytes) -> Any:
+def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
     """JSON from a peer, or `ValueError` with one line saying why not ("is not valid JSON: ...").
 
-    Nesting deeper than `MAX_JSON_DEPTH` and integers too long to convert are refused like
-    any other malformed body, so that no peer can turn a request into a traceback. The depth
-    is ours, not the parser's: how deep `json` goes before giving up differs between
-    interpreter versions (3.11 stops near 1000 levels, 3.12 goes past 5000).
+    Nesting deeper than `max_depth` and integers too long to convert are refused like any
+    other malformed body, so that no peer can turn a request into a traceback. The depth is
+    ours, not the parser's: how deep `json` goes before giving up differs between interpreter
+    versions (3.11 stops near 1000 levels, 3.12 goes past 5000). None skips the check, for a
+    manifest from the agent: walking its thousands of rows would cost every attach a
+    millisecond, and a client trusts the agent with its weights anyway.
     """
     try:
         value = json.loads(body)
@@ -127,15 +129,16 @@ def parse_json(body: bytes) -> Any:
     except ValueError as e:  # integers beyond the interpreter's digit limit
         raise ValueError(f"is not acceptable JSON: {str(e).splitlines()[0][:120]}") from None
     # Fewer brackets than the limit cannot nest past it: the walk runs only for bodies with many.
-    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _nesting(value) > MAX_JSON_DEPTH:
-        raise ValueError(f"nests too deeply (more than {MAX_JSON_DEPTH} levels)")
+    if max_depth is not None and body.count(b"[") + body.count(b"{") > max_depth \
+            and _nesting(value, max_depth) > max_depth:
+        raise ValueError(f"nests too deeply (more than {max_depth} levels)")
     return value
 
 
-def _nesting(value: Any) -> int:
-    """How deep lists and objects nest in `value`, counted up to just past `MAX_JSON_DEPTH`."""
+def _nesting(value: Any, limit: int) -> int:
+    """How deep lists and objects nest in `value`, counted up to just past `limit`."""
     deepest, stack = 0, [(value, 1)]
-    while stack and deepest <= MAX_JSON_DEPTH:
+    while stack and deepest <= limit:
         item, depth = stack.pop()
         children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
         if children is not None:
@@ -144,10 +147,10 @@ def _nesting(value: Any) -> int:
     return deepest
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
+def decode_body(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> dict[str, Any]:
     """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not."""
     try:
-        message = parse_json(body)
+        message = parse_json(body, max_depth)
     except ValueError as e:
         raise ProtocolError(f"frame body {e}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):

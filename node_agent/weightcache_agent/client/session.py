@@ -358,7 +358,7 @@ def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[
                 request: dict[str, Any]) -> tuple[dict, list[int]]:
     protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
                                  "request": request})
-    return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS, max_depth=None)
 
 
 def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = False) -> torch.Tensor:
