@@ -16,12 +16,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta, *s_dot;
-
-typedef struct {
-    PyObject *modules;   /* qualified name -> module */
-    PyObject *declared;  /* qualified name -> the module's non-None parameter or buffer */
-} Tree;
+static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta;
 
 /* nn.Module keeps these in its instance dict; the generic lookup skips the __getattr__ hook. */
 static PyObject *table_of(PyObject *module, PyObject *attr) {
@@ -33,118 +28,244 @@ static PyObject *table_of(PyObject *module, PyObject *attr) {
     return table;
 }
 
-/* `dot` + `leaf`, or `leaf` itself at the root (`dot` NULL). */
-static PyObject *qualify(PyObject *dot, PyObject *leaf) {
-    return dot == NULL ? Py_NewRef(leaf) : PyUnicode_Concat(dot, leaf);
+/* A set of object addresses (open addressing): the modules surveyed, the tensors bound. */
+typedef struct {
+    void **slots;
+    size_t mask;
+} PtrSet;
+
+static int ptrset_init(PtrSet *set, Py_ssize_t expected) {
+    size_t size = 16;
+    while (size < (size_t)expected * 2)
+        size <<= 1;
+    set->mask = size - 1;
+    set->slots = PyMem_Calloc(size, sizeof(void *));
+    if (set->slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
 }
 
-static int walk(PyObject *root, Tree *tree) {
-    PyObject *order = PyList_New(0);  /* (qualified name, module), appended while it is walked */
-    PyObject *first = PyUnicode_FromString("");
-    PyObject *pair = first ? PyTuple_Pack(2, first, root) : NULL;
-    int rc = -1;
-    if (order == NULL || pair == NULL || PyDict_SetItem(tree->modules, first, root) < 0 || PyList_Append(order, pair) < 0)
-        goto done;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(order); i++) {
-        PyObject *prefix = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 0);
-        PyObject *module = PyTuple_GET_ITEM(PyList_GET_ITEM(order, i), 1);
-        PyObject *dot = PyUnicode_GET_LENGTH(prefix) ? PyUnicode_Concat(prefix, s_dot) : NULL;
-        if (PyUnicode_GET_LENGTH(prefix) && dot == NULL)
-            goto done;
-        PyObject *attrs[3] = {s_parameters, s_buffers, s_modules};
-        int failed = 0;
-        for (int a = 0; a < 3 && !failed; a++) {
-            PyObject *table = table_of(module, attrs[a]);
-            if (table == NULL) {
-                failed = 1;
-                break;
-            }
-            Py_ssize_t pos = 0;
-            PyObject *leaf, *value;
-            while (!failed && PyDict_Next(table, &pos, &leaf, &value)) {
-                if (value == Py_None)
-                    continue;
-                PyObject *name = qualify(dot, leaf);
-                if (name == NULL) {
-                    failed = 1;
-                } else if (a < 2) {
-                    failed = PyDict_SetItem(tree->declared, name, value) < 0;
-                } else {
-                    PyObject *next = PyTuple_Pack(2, name, value);
-                    failed = next == NULL || PyDict_SetItem(tree->modules, name, value) < 0 || PyList_Append(order, next) < 0;
-                    Py_XDECREF(next);
-                }
-                Py_XDECREF(name);
-            }
-            Py_DECREF(table);
-        }
-        Py_XDECREF(dot);
-        if (failed)
-            goto done;
+/* 1 if `p` was added, 0 if already there. The set never fills: callers size it for every insert. */
+static int ptrset_add(PtrSet *set, void *p) {
+    size_t i = ((size_t)p >> 4) * 0x9E3779B97F4A7C15ull & set->mask;
+    while (set->slots[i] != NULL) {
+        if (set->slots[i] == p)
+            return 0;
+        i = (i + 1) & set->mask;
     }
-    rc = 0;
-done:
-    Py_XDECREF(order);
-    Py_XDECREF(first);
-    Py_XDECREF(pair);
-    return rc;
+    set->slots[i] = p;
+    return 1;
+}
+
+static int ptrset_has(const PtrSet *set, void *p) {
+    size_t i = ((size_t)p >> 4) * 0x9E3779B97F4A7C15ull & set->mask;
+    while (set->slots[i] != NULL) {
+        if (set->slots[i] == p)
+            return 1;
+        i = (i + 1) & set->mask;
+    }
+    return 0;
+}
+
+#define MAX_DEPTH 64  /* submodule nesting a name may have; deeper trees go to the Python path */
+
+/* A qualified name being built, component by component, in one buffer. */
+typedef struct {
+    char *text;
+    Py_ssize_t len, cap;
+} NameBuf;
+
+static int namebuf_put(NameBuf *buf, Py_ssize_t at, PyObject *leaf, int dot) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(leaf, &n);
+    if (s == NULL)
+        return -1;
+    if (at + n + 1 > buf->cap) {
+        Py_ssize_t cap = (at + n + 1) * 2;
+        char *text = PyMem_Realloc(buf->text, cap);
+        if (text == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        buf->text = text, buf->cap = cap;
+    }
+    memcpy(buf->text + at, s, n);
+    buf->len = at + n;
+    if (dot)
+        buf->text[buf->len++] = '.';
+    return 0;
+}
+
+typedef struct {
+    PyObject *declared;  /* qualified name -> the module's non-None parameter or buffer */
+    PtrSet tensors;      /* the distinct tensors among them */
+    Py_ssize_t places;   /* how many */
+    NameBuf name;
+} Survey;
+
+/* 0 done, 1 nested deeper than MAX_DEPTH, -1 error. */
+static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth) {
+    if (depth > MAX_DEPTH)
+        return 1;
+    PyObject *attrs[3] = {s_parameters, s_buffers, s_modules};
+    for (int a = 0; a < 3; a++) {
+        PyObject *table = table_of(module, attrs[a]), *leaf, *value;
+        if (table == NULL)
+            return -1;
+        Py_ssize_t pos = 0;
+        int rc = 0;
+        while (rc == 0 && PyDict_Next(table, &pos, &leaf, &value)) {
+            if (value == Py_None)
+                continue;
+            if ((rc = namebuf_put(&sv->name, at, leaf, a == 2)) < 0)
+                break;
+            if (a == 2) {
+                rc = survey_module(sv, value, sv->name.len, depth + 1);
+                continue;
+            }
+            PyObject *name = PyUnicode_DecodeUTF8(sv->name.text, sv->name.len, NULL);
+            rc = name == NULL || PyDict_SetItem(sv->declared, name, value) < 0 ? -1 : 0;
+            Py_XDECREF(name);
+            if (rc == 0 && (Py_ssize_t)(sv->tensors.mask / 2) <= sv->places) {  /* keep the set half empty */
+                PtrSet bigger;
+                rc = ptrset_init(&bigger, (Py_ssize_t)(sv->tensors.mask + 1));
+                for (size_t k = 0; rc == 0 && k <= sv->tensors.mask; k++)
+                    if (sv->tensors.slots[k] != NULL)
+                        ptrset_add(&bigger, sv->tensors.slots[k]);
+                if (rc == 0) {
+                    PyMem_Free(sv->tensors.slots);
+                    sv->tensors = bigger;
+                }
+            }
+            if (rc == 0)
+                sv->places += ptrset_add(&sv->tensors, value);
+        }
+        Py_DECREF(table);
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
+/* survey(module) -> (declared, places) or None
+ *
+ * One walk of the module tree: every non-None parameter and buffer by qualified name, and how
+ * many distinct tensors they are. It depends on the module alone, so an engine takes it while
+ * the agent prepares its answer. None where the tree nests deeper than MAX_DEPTH. */
+static PyObject *survey(PyObject *self, PyObject *module) {
+    Survey sv = {PyDict_New(), {NULL, 0}, 0, {NULL, 0, 0}};
+    PyObject *result = NULL;
+    if (sv.declared != NULL && ptrset_init(&sv.tensors, 4096) == 0) {
+        int rc = survey_module(&sv, module, 0, 0);
+        if (rc == 0)
+            result = Py_BuildValue("(On)", sv.declared, sv.places);
+        else if (rc == 1)
+            result = Py_NewRef(Py_None);
+    }
+    PyMem_Free(sv.tensors.slots);
+    PyMem_Free(sv.name.text);
+    Py_XDECREF(sv.declared);
+    return result;
 }
 
 /* 1 if a declared tensor is still on meta and not among `bound`, 0 if none, -1 on error. */
-static int left_on_meta(PyObject *declared, PyObject *bound) {
+static int left_on_meta(PyObject *declared, const PtrSet *bound) {
     Py_ssize_t pos = 0;
     PyObject *name, *tensor;
     while (PyDict_Next(declared, &pos, &name, &tensor)) {
+        if (ptrset_has(bound, tensor))
+            continue;
         PyObject *is_meta = PyObject_GetAttr(tensor, s_is_meta);
         if (is_meta == NULL)
             return -1;
         int meta = is_meta == Py_True;
         Py_DECREF(is_meta);
-        if (!meta)
-            continue;
-        PyObject *id = PyLong_FromVoidPtr(tensor);
-        int in = id ? PySet_Contains(bound, id) : -1;
-        Py_XDECREF(id);
-        if (in <= 0)
-            return in < 0 ? -1 : 1;
+        if (meta)
+            return 1;
     }
     return 0;
 }
 
-/* A row the module does not declare: 1 with *owner and *leaf (new references) where it can become a
- * buffer of its owner, 0 where it cannot (no owner, the name taken), -1 on error. */
-static int extra_place(Tree *tree, PyObject *name, PyObject **owner, PyObject **leaf) {
+/* The submodules of the last name resolved, one per component: consecutive manifest rows
+ * mostly share all but their last component or two ("model.layers.7.mlp." ...), which are
+ * then the only dict lookups a row costs. */
+typedef struct {
+    const char *name;          /* the last name's UTF-8 (owned by its str, alive for the bind) */
+    Py_ssize_t depth;          /* its components resolved to submodules */
+    Py_ssize_t end[MAX_DEPTH]; /* where component d ends (its '.') */
+    PyObject *mod[MAX_DEPTH + 1];  /* mod[0]: the root; mod[d + 1]: component d's submodule (strong) */
+} Path;
+
+static void path_cut(Path *path, Py_ssize_t depth) {
+    for (Py_ssize_t d = depth; d < path->depth; d++)
+        Py_CLEAR(path->mod[d + 1]);
+    path->depth = depth;
+}
+
+/* The owner of dotted `name` (borrowed, via path) and its last component as a new str in *leaf:
+ * 1 found, 0 no such submodule (or nested too deep), -1 error. */
+static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf) {
+    Py_ssize_t len, pos = 0, d = 0;
+    const char *s = PyUnicode_AsUTF8AndSize(name, &len);
     *owner = *leaf = NULL;
-    Py_ssize_t len = PyUnicode_GET_LENGTH(name);
-    Py_ssize_t dot = PyUnicode_FindChar(name, '.', 0, len, -1);
-    if (dot == -2)
+    if (s == NULL)
         return -1;
-    PyObject *prefix = dot < 0 ? PyUnicode_FromString("") : PyUnicode_Substring(name, 0, dot);
-    if (prefix == NULL)
-        return -1;
-    PyObject *found = PyDict_GetItemWithError(tree->modules, prefix);  /* borrowed */
-    Py_DECREF(prefix);
-    if (found == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-    PyObject *tail = PyUnicode_Substring(name, dot + 1, len);
-    if (tail == NULL)
-        return -1;
-    PyObject *attrs[2] = {s_parameters, s_buffers};
-    int taken = 0;
-    for (int a = 0; a < 2 && !taken; a++) {  /* an entry holding None (Linear(bias=False)) is taken too */
-        PyObject *table = table_of(found, attrs[a]);
-        taken = table == NULL ? -1 : PyDict_Contains(table, tail);
-        Py_XDECREF(table);
+    while (d < path->depth) {  /* the components this name shares with the last one */
+        Py_ssize_t e = path->end[d];
+        if (e >= len || s[e] != '.' || memcmp(s + pos, path->name + pos, e - pos) != 0)
+            break;
+        pos = e + 1;
+        d++;
     }
-    if (taken == 0)
-        taken = PyObject_HasAttr(found, tail);
-    if (taken != 0) {
-        Py_DECREF(tail);
-        return taken < 0 ? -1 : 0;
+    path_cut(path, d);
+    path->name = s;
+    for (const char *dot; (dot = memchr(s + pos, '.', len - pos)) != NULL; pos = dot - s + 1) {
+        if (d >= MAX_DEPTH)
+            return 0;
+        PyObject *part = PyUnicode_DecodeUTF8(s + pos, dot - s - pos, NULL);
+        PyObject *children = part ? table_of(path->mod[d], s_modules) : NULL;
+        PyObject *child = children ? PyDict_GetItemWithError(children, part) : NULL;  /* borrowed */
+        Py_XINCREF(child);
+        Py_XDECREF(children);
+        Py_XDECREF(part);
+        if (child == NULL)
+            return PyErr_Occurred() ? -1 : 0;
+        if (child == Py_None) {
+            Py_DECREF(child);
+            return 0;
+        }
+        path->mod[d + 1] = child;
+        path->end[d] = dot - s;
+        path->depth = ++d;
     }
-    *owner = Py_NewRef(found);
-    *leaf = tail;
+    *leaf = PyUnicode_DecodeUTF8(s + pos, len - pos, NULL);
+    if (*leaf == NULL)
+        return -1;
+    *owner = path->mod[d];
     return 1;
+}
+
+/* What `leaf` is on `owner`: *current (borrowed) its parameter or buffer and 1; 0 where it names
+ * nothing (an extra row may become a buffer there); 2 where the name is taken otherwise (an
+ * entry holding None, as Linear(bias=False) does, or another attribute); -1 on error. */
+static int place_of(PyObject *owner, PyObject *leaf, PyObject **current) {
+    PyObject *attrs[2] = {s_parameters, s_buffers};
+    *current = NULL;
+    for (int a = 0; a < 2; a++) {
+        PyObject *table = table_of(owner, attrs[a]);
+        PyObject *found = table ? PyDict_GetItemWithError(table, leaf) : NULL;
+        Py_XDECREF(table);  /* the module still holds it, and so `found` */
+        if (found != NULL) {
+            *current = found;
+            return found == Py_None ? 2 : 1;
+        }
+        if (PyErr_Occurred())
+            return -1;
+    }
+    int taken = PyObject_HasAttr(owner, leaf);
+    return taken ? 2 : 0;
 }
 
 /* A view of `form` at element `start`; with count > 0, a view of `count` of them `step` elements apart. */
@@ -238,13 +359,14 @@ done:
     return rc;
 }
 
-/* bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
+/* bind(module, survey, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
  *
- * forms: list of (as_strided of the arena viewed as the form's dtype, shape tuple, stride tuple,
- * itemsize, dtype). extras: (owner, leaf, name) of rows the module does not declare. */
+ * survey: what `survey(module)` returned, or None to survey here. forms: list of (as_strided of
+ * the arena viewed as the form's dtype, shape tuple, stride tuple, itemsize, dtype). extras:
+ * (owner, leaf, name) of rows the module does not declare. */
 static PyObject *bind(PyObject *self, PyObject *args) {
-    PyObject *module, *names, *form_index, *offsets, *forms, *swap;
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O", &module, &PyList_Type, &names, &PyList_Type, &form_index,
+    PyObject *module, *surveyed, *names, *form_index, *offsets, *forms, *swap;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!O!O", &module, &surveyed, &PyList_Type, &names, &PyList_Type, &form_index,
                           &PyList_Type, &offsets, &PyList_Type, &forms, &swap))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(names), nforms = PyList_GET_SIZE(forms);
@@ -261,14 +383,29 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             return NULL;
         }
     }
-    Tree tree = {PyDict_New(), PyDict_New()};
-    PyObject *targets = PyList_New(0), *bound = PySet_New(NULL), *tensors = PyDict_New(), *extras = PyList_New(0);
-    Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of);
+    if (surveyed == Py_None)
+        surveyed = survey(NULL, module);
+    else
+        Py_INCREF(surveyed);
+    if (surveyed == NULL)
+        return NULL;
+    Path path = {.name = NULL, .depth = 0, .mod = {Py_NewRef(module)}};
+    PtrSet bound = {NULL, 0};
+    PyObject *tensors = PyDict_New(), *extras = PyList_New(0), *result = NULL;
+    Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of), *target_row = PyMem_Malloc((n + 1) * sizeof *target_row);
     long long *start = PyMem_Malloc((n + 1) * sizeof *start);
-    PyObject **views = PyMem_Calloc(n + 1, sizeof *views);
-    PyObject *result = NULL;
-    Py_ssize_t covered = 0;
-    if (form_of == NULL || start == NULL || views == NULL) {
+    PyObject **views = PyMem_Calloc(n + 1, sizeof *views), **current_of = PyMem_Calloc(n + 1, sizeof *current_of);
+    PyObject *declared = NULL;
+    Py_ssize_t targets = 0;
+    if (surveyed == Py_None)  /* nested too deep for the C walk */
+        goto unclean;
+    if (!PyTuple_Check(surveyed) || PyTuple_GET_SIZE(surveyed) != 2 || !PyDict_Check(PyTuple_GET_ITEM(surveyed, 0))) {
+        PyErr_SetString(PyExc_TypeError, "survey must be what _bindfast.survey returned");
+        goto done;
+    }
+    declared = PyTuple_GET_ITEM(surveyed, 0);
+    if (form_of == NULL || target_row == NULL || start == NULL || views == NULL || current_of == NULL ||
+        ptrset_init(&bound, n + 1) < 0) {
         PyErr_NoMemory();
         goto done;
     }
@@ -295,41 +432,30 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         form_of[i] = f;
         start[i] = at / itemsize;
     }
-    if (!tree.modules || !tree.declared || !targets || !bound || !tensors || !extras || walk(module, &tree) < 0 ||
-        make_views(forms, form_of, start, n, views) < 0)
+    if (tensors == NULL || extras == NULL || make_views(forms, form_of, start, n, views) < 0)
         goto done;
 
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name = PyList_GET_ITEM(names, i), *view = views[i];
-        PyObject *form = PyList_GET_ITEM(forms, form_of[i]);
-        if (PyDict_SetItem(tensors, name, view) < 0)
+        PyObject *name = PyList_GET_ITEM(names, i), *form = PyList_GET_ITEM(forms, form_of[i]);
+        if (PyDict_SetItem(tensors, name, views[i]) < 0)
             goto done;
-
-        PyObject *current = PyDict_GetItemWithError(tree.declared, name);  /* borrowed */
-        if (current == NULL) {
-            PyObject *owner = NULL, *leaf = NULL;
-            int place = PyErr_Occurred() ? -1 : extra_place(&tree, name, &owner, &leaf);
-            PyObject *extra = place == 1 ? PyTuple_Pack(3, owner, leaf, name) : NULL;
-            Py_XDECREF(owner);
+        PyObject *current = PyDict_GetItemWithError(declared, name);  /* borrowed */
+        if (current == NULL) {  /* a row the module does not declare: a buffer of its owner, if free */
+            PyObject *owner = NULL, *leaf = NULL, *taken;
+            int found = PyErr_Occurred() ? -1 : resolve(&path, name, &owner, &leaf);
+            int place = found == 1 ? place_of(owner, leaf, &taken) : found == 0 ? 2 : -1;
+            PyObject *extra = place == 0 ? PyTuple_Pack(3, owner, leaf, name) : NULL;
+            int failed = place < 0 || (place == 0 && (extra == NULL || PyList_Append(extras, extra) < 0));
+            Py_XDECREF(extra);
             Py_XDECREF(leaf);
-            if (place == 0)
+            if (failed)
+                goto done;
+            if (place != 0)  /* no such submodule, or the name is taken (1: declared since the survey) */
                 goto unclean;
-            if (extra == NULL || PyList_Append(extras, extra) < 0) {
-                Py_XDECREF(extra);
-                goto done;
-            }
-            Py_DECREF(extra);
             continue;
         }
-        covered++;
-        PyObject *id = PyLong_FromVoidPtr(current);
-        int seen = id ? PySet_Contains(bound, id) : -1;
-        if (seen != 0) {  /* a tied tensor the cache also holds under another name: bound once */
-            Py_XDECREF(id);
-            if (seen < 0)
-                goto done;
+        if (!ptrset_add(&bound, current))  /* a tied tensor the cache also holds under another name: bound once */
             continue;
-        }
         PyObject *shape = PyObject_GetAttr(current, s_shape);
         PyObject *dtype = shape ? PyObject_GetAttr(current, s_dtype) : NULL;
         int same = dtype == NULL ? -1 : PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(form, 1), Py_EQ);
@@ -337,28 +463,25 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             same = dtype == PyTuple_GET_ITEM(form, 4);
         Py_XDECREF(shape);
         Py_XDECREF(dtype);
-        PyObject *target = same == 1 ? PyTuple_Pack(3, name, current, view) : NULL;
-        int failed = same < 0 || (same == 1 && (target == NULL || PySet_Add(bound, id) < 0 ||
-                                                PyList_Append(targets, target) < 0));
-        Py_XDECREF(target);
-        Py_DECREF(id);
-        if (failed)
+        if (same < 0)
             goto done;
         if (!same)
             goto unclean;
+        current_of[targets] = Py_NewRef(current);
+        target_row[targets++] = i;
     }
-    if (covered != PyDict_GET_SIZE(tree.declared)) {  /* the cache did not name every declared tensor */
-        int left = left_on_meta(tree.declared, bound);
+    /* Fewer tensors bound than the module holds: one may still be on meta (or a tie named once). */
+    if (targets != PyLong_AsSsize_t(PyTuple_GET_ITEM(surveyed, 1))) {
+        int left = PyErr_Occurred() ? -1 : left_on_meta(declared, &bound);
         if (left < 0)
             goto done;
         if (left)
             goto unclean;
     }
-    for (Py_ssize_t t = 0; t < PyList_GET_SIZE(targets); t++) {
-        PyObject *target = PyList_GET_ITEM(targets, t);
-        PyObject *pair[2] = {PyTuple_GET_ITEM(target, 1), PyTuple_GET_ITEM(target, 2)};
+    for (Py_ssize_t t = 0; t < targets; t++) {
+        PyObject *pair[2] = {current_of[t], views[target_row[t]]};
         PyObject *ok = PyObject_Vectorcall(swap, pair, 2, NULL);
-        if (ok == NULL || PyDict_SetItem(tensors, PyTuple_GET_ITEM(target, 0), pair[0]) < 0) {
+        if (ok == NULL || PyDict_SetItem(tensors, PyList_GET_ITEM(names, target_row[t]), pair[0]) < 0) {
             Py_XDECREF(ok);
             goto done;
         }
@@ -369,23 +492,28 @@ static PyObject *bind(PyObject *self, PyObject *args) {
 unclean:  /* nothing swapped: the Python path names every problem */
     result = Py_NewRef(Py_None);
 done:
-    if (views != NULL)
-        for (Py_ssize_t i = 0; i < n; i++)
-            Py_XDECREF(views[i]);
+    for (Py_ssize_t i = 0; views != NULL && i < n; i++)
+        Py_XDECREF(views[i]);
+    for (Py_ssize_t t = 0; t < targets; t++)
+        Py_DECREF(current_of[t]);
+    path_cut(&path, 0);
+    Py_DECREF(path.mod[0]);
     PyMem_Free(views);
+    PyMem_Free(current_of);
+    PyMem_Free(target_row);
     PyMem_Free(form_of);
     PyMem_Free(start);
-    Py_XDECREF(tree.modules);
-    Py_XDECREF(tree.declared);
-    Py_XDECREF(targets);
-    Py_XDECREF(bound);
+    PyMem_Free(bound.slots);
+    Py_DECREF(surveyed);
     Py_XDECREF(tensors);
     Py_XDECREF(extras);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"bind", bind, METH_VARARGS, "bind(module, names, form_index, offsets, forms, swap) -> (tensors, extras) | None"},
+    {"survey", survey, METH_O, "survey(module) -> (tables, places): the tree's parameter and buffer dicts, and their tensors"},
+    {"bind", bind, METH_VARARGS,
+     "bind(module, survey, names, form_index, offsets, forms, swap) -> (tensors, extras) | None"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -395,7 +523,7 @@ PyMODINIT_FUNC PyInit__bindfast(void) {
     if (!(s_parameters = PyUnicode_InternFromString("_parameters")) ||
         !(s_buffers = PyUnicode_InternFromString("_buffers")) || !(s_modules = PyUnicode_InternFromString("_modules")) ||
         !(s_shape = PyUnicode_InternFromString("shape")) || !(s_dtype = PyUnicode_InternFromString("dtype")) ||
-        !(s_is_meta = PyUnicode_InternFromString("is_meta")) || !(s_dot = PyUnicode_InternFromString(".")))
+        !(s_is_meta = PyUnicode_InternFromString("is_meta")))
         return NULL;
     return PyModule_Create(&moduledef);
 }

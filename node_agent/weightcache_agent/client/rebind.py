@@ -57,15 +57,26 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def survey(module: nn.Module) -> object | None:
+    """What the C bind needs to know of `module` before any manifest: every parameter and
+    buffer table in its tree, and how many tensors they hold. It depends on the module alone,
+    so `attach` takes it while the agent prepares its answer. None without the C extension."""
+    if _bindfast is None:
+        return None
+    with gc_paused():
+        return _bindfast.survey(module)
+
+
 def bind_manifest(module: nn.Module, base: torch.Tensor, columns: dict[str, list], strict: bool = True,
-                  native: bool = True) -> dict[str, torch.Tensor]:
+                  native: bool = True, surveyed: object | None = None) -> dict[str, torch.Tensor]:
     """Views of the uint8 arena `base` per manifest row (`ArenaLayout.to_manifest`), bound into
-    `module`; returns name -> the tensor now bound. Malformed columns raise ValueError,
-    TypeError, KeyError or IndexError; a module that does not fit raises `AttachError`."""
+    `module`; returns name -> the tensor now bound. `surveyed`: `survey(module)`, taken since
+    nothing changed the module. Malformed columns raise ValueError, TypeError, KeyError or
+    IndexError; a module that does not fit raises `AttachError`."""
     with gc_paused(), _untracked_views():
         forms = _forms(base, columns["forms"])
         if native and _bindfast is not None:
-            bound = _bindfast.bind(module, columns["name"], columns["form"], columns["offset"], forms, _swap)
+            bound = _bindfast.bind(module, surveyed, columns["name"], columns["form"], columns["offset"], forms, _swap)
             if bound is not None:
                 tensors, extras = bound
                 for owner, leaf, name in extras:

@@ -34,6 +34,7 @@ from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOC
                   pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .readonly import guard
+from .rebind import bind_manifest, survey
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -322,14 +323,18 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         conn.settimeout(timeout)
         request = engine_request(spec)
         phases["request"] = time.perf_counter() - started
-        reply, fds = _ask_attach(conn, role, group, pod, request)
+        _send_attach(conn, role, group, pod, request)
+        # The module as the bind will find it, walked while the agent prepares its answer.
+        surveyed = survey(module) if adjust is None else None
+        reply, fds = _manifest_reply(conn)
         if reply.get("type") == "error" and reply.get("code") == "revision_required":
             # Our files are not the very ones the agent read (a copy, another mount): compare content.
             path = conn.getpeername()
             conn.close()
             conn = protocol.connect(path)
             conn.settimeout(timeout)
-            reply, fds = _ask_attach(conn, role, group, pod, engine_request(spec, with_revision=True))
+            _send_attach(conn, role, group, pod, engine_request(spec, with_revision=True))
+            reply, fds = _manifest_reply(conn)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}),
                                       model=model_name(spec.model))
@@ -340,7 +345,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
         phases["round trip"] = time.perf_counter() - started - phases["request"]
-        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust, phases)
+        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust, phases, surveyed)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -354,10 +359,13 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"), phases=phases)
 
 
-def _ask_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
-                request: dict[str, Any]) -> tuple[dict, list[int]]:
+def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
+                request: dict[str, Any]) -> None:
     protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
                                  "request": request})
+
+
+def _manifest_reply(conn: socketlib.socket) -> tuple[dict, list[int]]:
     return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS, max_depth=None)
 
 
@@ -387,13 +395,16 @@ def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
 
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
                copy_on_write: bool = False, adjust: Adjust | None = None,
-               phases: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
+               phases: dict[str, float] | None = None, surveyed: object | None = None) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     t0 = time.perf_counter()
     base = map_arena(manifest, fds, copy_on_write)
     t1 = time.perf_counter()
     try:
-        tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
+        if adjust is None:
+            tensors = bind_manifest(module, base, manifest["tensors"], strict, surveyed=surveyed)
+        else:
+            tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
         if phases is not None:
             phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
         return tensors
