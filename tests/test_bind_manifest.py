@@ -15,7 +15,7 @@ from torch import nn
 
 from weightcache_agent.errors import AttachError
 from weightcache_agent.load.layout import lay_out
-from weightcache_agent.client.rebind import _bindfast, bind_manifest
+from weightcache_agent.client.rebind import _bindfast, bind_manifest, survey
 
 PATHS = [pytest.param(True, id="C"), pytest.param(False, id="python")]
 
@@ -152,3 +152,62 @@ def test_a_run_that_reaches_past_the_arena_is_refused_and_swaps_nothing(native):
     with pytest.raises(RuntimeError, match="out of bounds"):
         bind_manifest(m, base[:columns["offset"][-2]].clone(), columns, native=native)
     assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_before_swap_runs_once_every_row_checked_out_and_its_error_swaps_nothing(native):
+    """What the cuda mapping waits on (its access, granted meanwhile) runs before the first swap."""
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena()
+    m = meta_model()
+    seen = []
+
+    def refuse() -> None:
+        seen.append(all(t.is_meta for t in m.state_dict(keep_vars=True).values()))
+        raise OSError("access refused")
+
+    with pytest.raises(OSError, match="access refused"):
+        bind_manifest(m, base, columns, native=native, before_swap=refuse)
+    assert seen == [True]
+    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    bind_manifest(m, base, columns, native=native, before_swap=lambda: seen.append("ok"))
+    assert seen == [True, "ok"] and torch.equal(m.layers[1].norm.weight, values["layers.1.norm.weight"])
+
+
+def test_a_survey_taken_before_the_reply_binds_the_same_and_a_later_change_is_still_found():
+    if _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena({"layers.0.proj.extra": torch.ones(3)})
+    m = meta_model()
+    surveyed = survey(m)
+    with torch.device("meta"):  # declared after the survey: the C loop hands the module to the Python path
+        m.layers[0].proj.register_parameter("extra", nn.Parameter(torch.empty(3)))
+    bind_manifest(m, base, columns, surveyed=surveyed)
+    assert torch.equal(m.layers[0].proj.extra, torch.ones(3))
+    assert not any(t.is_meta for t in m.state_dict().values())
+
+    m = meta_model()
+    bind_manifest(m, base, {**columns, "name": [n.replace(".extra", ".bonus") for n in columns["name"]]},
+                  surveyed=survey(m))
+    assert torch.equal(m.layers[0].proj.bonus, torch.ones(3)) and "layers.0.proj.bonus" in m.state_dict()
+
+
+def test_modules_nested_deeper_than_the_c_walk_goes_bind_through_the_python_path():
+    class Chain(nn.Module):
+        def __init__(self, depth: int) -> None:
+            super().__init__()
+            self.inner = Chain(depth - 1) if depth else None
+            self.weight = nn.Parameter(torch.empty(2))
+
+    with torch.device("meta"):
+        m = Chain(80)
+    names = [name for name, _ in m.named_parameters()]
+    layout = lay_out([(n, torch.float32, (2,), "weight") for n in names])
+    base = torch.arange(layout.size, dtype=torch.uint8)
+    tensors = bind_manifest(m, base, layout.to_manifest())
+    deepest = m
+    while deepest.inner is not None:
+        deepest = deepest.inner
+    assert len(tensors) == 81 and not deepest.weight.is_meta
+    assert deepest.weight.data_ptr() == base.data_ptr() + layout.slots[-1].offset

@@ -5,9 +5,9 @@ allocation granularity; reserve + map + read-write access for loading; export th
 once. After loading, `seal()` drops the agent's own mapping, so not even the agent can
 scribble on served weights; the allocation lives on through its handle and the fd.
 
-Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ,
-and wrap the pointer as a uint8 torch tensor through `__cuda_array_interface__` --
-no copy. The `_Mapping` object is what torch keeps alive for as long as any view of
+Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ
+(on a thread, while the engine binds its views), and wrap the pointer as a uint8 torch
+tensor through `__cuda_array_interface__` -- no copy. The `_Mapping` object is what torch keeps alive for as long as any view of
 the arena exists; when the last view goes, it unmaps and releases the imported handle.
 Memory stays valid after the exporting process exits (the handle counts), which is
 why an engine keeps serving when the agent dies, and why an engine holding the fd can
@@ -25,7 +25,7 @@ import os
 import re
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import OutOfMemory, WeightCacheError
@@ -169,10 +169,14 @@ class _Mapping:
     """A reserved + mapped VA range over one allocation handle; unmapped and released on drop.
 
     `ordinal` and every device in `readers` get access (the readers: read-only, over the GPUs'
-    peer link)."""
+    peer link). With `access_meanwhile`, the access is granted on a thread while the caller goes
+    on (see `_grant_meanwhile`); `wait_for_access()` before anything reads the memory."""
+
+    _granter: threading.Thread | None = None
+    _access_error: BaseException | None = None
 
     def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool,
-                 readers: Sequence[int] = ()):
+                 readers: Sequence[int] = (), access_meanwhile: bool = False):
         cu = driver()
         self.size, self.ordinal, self._handle, self._owns_handle = size, ordinal, handle, owns_handle
         self.ptr = None
@@ -181,11 +185,38 @@ class _Mapping:
             checked(cu.cuMemMap(self.ptr, size, 0, handle, 0), "cuMemMap")
             self._mapped = True
             access = [_access(ordinal, writable)] + [_access(o, False) for o in sorted(set(readers) - {ordinal})]
-            checked(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
+            if access_meanwhile:
+                self._grant_meanwhile(access)
+            else:
+                checked(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
         except BaseException:
             self.release()
             raise
         self.readonly = not writable
+
+    def _grant_meanwhile(self, access: list) -> None:
+        """cuMemSetAccess costs ~1 ms for tens of GiB and lets go of the GIL while the driver works:
+        on a thread, it overlaps the caller's bind (torch wraps a mapped range before its access is set)."""
+        calling = threading.Event()
+
+        def grant() -> None:
+            calling.set()
+            try:
+                checked(driver().cuMemSetAccess(self.ptr, self.size, access, len(access)), "cuMemSetAccess")
+            except BaseException as e:
+                self._access_error = e
+
+        self._granter = threading.Thread(target=grant, name="weightcache-map", daemon=True)
+        self._granter.start()
+        calling.wait()  # returns once the thread is in the driver call, which hands the GIL back
+
+    def wait_for_access(self) -> None:
+        """Until the access is granted; what the driver refused, raised here (every call)."""
+        granter = self._granter
+        if granter is not None:
+            granter.join()
+        if self._access_error is not None:
+            raise self._access_error
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -199,6 +230,8 @@ class _Mapping:
 
     def release(self) -> None:
         cu = driver()
+        if self._granter is not None:  # never unmap under a cuMemSetAccess in flight
+            self._granter.join()
         if self.ptr is not None:
             if getattr(self, "_mapped", False):
                 cu.cuMemUnmap(self.ptr, self.size)
@@ -301,6 +334,15 @@ class CudaArena:
 
 def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
     """Import an arena fd on the GPU with `uuid` and return it as one read-only uint8 tensor."""
+    base, granted = map_readonly_cuda_meanwhile(fd, size, uuid)
+    granted()
+    return base
+
+
+def map_readonly_cuda_meanwhile(fd: int, size: int, uuid: str) -> "tuple[torch.Tensor, Callable[[], None]]":
+    """`map_readonly_cuda`, with the read access granted on a thread while the caller goes on (an
+    engine builds its views meanwhile). Call the returned function before anything reads the
+    memory: it waits, and raises `CudaError` where the driver refused."""
     from .devices import local_ordinal
 
     cu = driver()
@@ -309,7 +351,8 @@ def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
     handle = checked(cu.cuMemImportFromShareableHandle(
         fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR), "cuMemImportFromShareableHandle")
     # The mapping owns the imported handle from here on, failed or not.
-    return _Mapping(handle, size, ordinal, writable=False, owns_handle=True).tensor()
+    mapping = _Mapping(handle, size, ordinal, writable=False, owns_handle=True, access_meanwhile=True)
+    return mapping.tensor(), mapping.wait_for_access
 
 
 class PeerView(_Mapping):

@@ -359,15 +359,16 @@ done:
     return rc;
 }
 
-/* bind(module, survey, names, form_index, offsets, forms, swap) -> (tensors, extras) or None
+/* bind(module, survey, names, form_index, offsets, forms, swap, before_swap=None) -> (tensors, extras) or None
  *
  * survey: what `survey(module)` returned, or None to survey here. forms: list of (as_strided of
- * the arena viewed as the form's dtype, shape tuple, stride tuple, itemsize, dtype). extras:
- * (owner, leaf, name) of rows the module does not declare. */
+ * the arena viewed as the form's dtype, shape tuple, stride tuple, itemsize, dtype). before_swap:
+ * called once every row has checked out, before the first swap. extras: (owner, leaf, name) of
+ * rows the module does not declare. */
 static PyObject *bind(PyObject *self, PyObject *args) {
-    PyObject *module, *surveyed, *names, *form_index, *offsets, *forms, *swap;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!O!O", &module, &surveyed, &PyList_Type, &names, &PyList_Type, &form_index,
-                          &PyList_Type, &offsets, &PyList_Type, &forms, &swap))
+    PyObject *module, *surveyed, *names, *form_index, *offsets, *forms, *swap, *before_swap = Py_None;
+    if (!PyArg_ParseTuple(args, "OOO!O!O!O!O|O", &module, &surveyed, &PyList_Type, &names, &PyList_Type, &form_index,
+                          &PyList_Type, &offsets, &PyList_Type, &forms, &swap, &before_swap))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(names), nforms = PyList_GET_SIZE(forms);
     if (PyList_GET_SIZE(form_index) != n || PyList_GET_SIZE(offsets) != n) {
@@ -478,6 +479,12 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         if (left)
             goto unclean;
     }
+    if (before_swap != Py_None) {
+        PyObject *ok = PyObject_CallNoArgs(before_swap);
+        if (ok == NULL)
+            goto done;
+        Py_DECREF(ok);
+    }
     for (Py_ssize_t t = 0; t < targets; t++) {
         PyObject *pair[2] = {current_of[t], views[target_row[t]]};
         PyObject *ok = PyObject_Vectorcall(swap, pair, 2, NULL);
@@ -513,7 +520,7 @@ done:
 static PyMethodDef methods[] = {
     {"survey", survey, METH_O, "survey(module) -> (tables, places): the tree's parameter and buffer dicts, and their tensors"},
     {"bind", bind, METH_VARARGS,
-     "bind(module, survey, names, form_index, offsets, forms, swap) -> (tensors, extras) | None"},
+     "bind(module, survey, names, form_index, offsets, forms, swap, before_swap=None) -> (tensors, extras) | None"},
     {NULL, NULL, 0, NULL},
 };
 

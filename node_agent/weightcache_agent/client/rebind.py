@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -68,22 +68,25 @@ def survey(module: nn.Module) -> object | None:
 
 
 def bind_manifest(module: nn.Module, base: torch.Tensor, columns: dict[str, list], strict: bool = True,
-                  native: bool = True, surveyed: object | None = None) -> dict[str, torch.Tensor]:
+                  native: bool = True, surveyed: object | None = None,
+                  before_swap: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
     """Views of the uint8 arena `base` per manifest row (`ArenaLayout.to_manifest`), bound into
     `module`; returns name -> the tensor now bound. `surveyed`: `survey(module)`, taken since
-    nothing changed the module. Malformed columns raise ValueError, TypeError, KeyError or
-    IndexError; a module that does not fit raises `AttachError`."""
+    nothing changed the module. `before_swap` is called once every row has checked out, before
+    the module takes the first view (what it raises, nothing swapped). Malformed columns raise
+    ValueError, TypeError, KeyError or IndexError; a module that does not fit raises `AttachError`."""
     with gc_paused(), _untracked_views():
         forms = _forms(base, columns["forms"])
         if native and _bindfast is not None:
-            bound = _bindfast.bind(module, surveyed, columns["name"], columns["form"], columns["offset"], forms, _swap)
+            bound = _bindfast.bind(module, surveyed, columns["name"], columns["form"], columns["offset"], forms, _swap,
+                                   before_swap)
             if bound is not None:
                 tensors, extras = bound
                 for owner, leaf, name in extras:
                     owner.register_buffer(leaf, tensors[name], persistent=True)
                 return tensors
         tensors = _views(forms, columns)
-        _rebind(module, tensors, strict)
+        _rebind(module, tensors, strict, before_swap)
         return tensors
 
 
@@ -122,7 +125,8 @@ def rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool = T
         return _rebind(module, tensors, strict)
 
 
-def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -> dict[str, int]:
+def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool,
+            before_swap: Callable[[], None] | None = None) -> dict[str, int]:
     modules, tables, places = _walk(module)
     problems: list[str] = []
     targets: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (name, module's tensor, cache tensor)
@@ -169,6 +173,8 @@ def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool) -
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
         raise AttachError(f"cannot attach: {shown}{more}")
 
+    if before_swap is not None:
+        before_swap()
     for name, current, view in targets:
         _swap(current, view)
         tensors[name] = current

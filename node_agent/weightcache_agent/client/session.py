@@ -27,6 +27,7 @@ from torch import nn
 
 from .. import protocol
 from ..arena.cpu import map_private, map_readonly
+from ..arena.cuda import CudaError
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
@@ -371,18 +372,31 @@ def _manifest_reply(conn: socketlib.socket) -> tuple[dict, list[int]]:
 
 def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = False) -> torch.Tensor:
     """The agent's arena (from a manifest reply and its fds), mapped read-only as one uint8 tensor."""
+    base, granted = _map_arena_meanwhile(manifest, fds, copy_on_write)
+    granted()
+    return base
+
+
+def _map_arena_meanwhile(manifest: dict[str, Any], fds: list[int],
+                         copy_on_write: bool) -> tuple[torch.Tensor, Callable[[], None]]:
+    """`map_arena`, and what to call before anything reads the arena (the cuda backend grants
+    access on a thread while the views are bound)."""
     arena = manifest["arenas"][0]
     backend = manifest.get("backend", "cpu")
     if backend == "cpu":
-        return _map_cpu(fds[0], arena["size"], copy_on_write)
+        return _map_cpu(fds[0], arena["size"], copy_on_write), _granted
     if copy_on_write:
         raise AttachError(f"copy_on_write is for the cpu backend; the agent serves {str(backend)[:16]!r}, whose "
                           "weights are read-only: clone a tensor before changing it")
     if backend == "cuda":
-        from ..arena.cuda import map_readonly_cuda
+        from ..arena.cuda import map_readonly_cuda_meanwhile
 
-        return map_readonly_cuda(fds[0], arena["size"], arena["device"])
+        return map_readonly_cuda_meanwhile(fds[0], arena["size"], arena["device"])
     raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
+
+
+def _granted() -> None:
+    """A mapping whose access was set as it was made."""
 
 
 def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
@@ -398,20 +412,24 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
                phases: dict[str, float] | None = None, surveyed: object | None = None) -> dict[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     t0 = time.perf_counter()
-    base = map_arena(manifest, fds, copy_on_write)
+    base, granted = _map_arena_meanwhile(manifest, fds, copy_on_write)
     t1 = time.perf_counter()
     try:
         if adjust is None:
-            tensors = bind_manifest(module, base, manifest["tensors"], strict, surveyed=surveyed)
+            tensors = bind_manifest(module, base, manifest["tensors"], strict, surveyed=surveyed, before_swap=granted)
         else:
+            granted()
             tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
+        granted()
         if phases is not None:
             phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
         return tensors
-    except AttachError:
+    except (AttachError, CudaError):  # the driver's refusal is no malformed manifest
         raise
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError, WeightCacheError) as e:
         raise ProtocolError(f"malformed manifest: {e}") from None
+    finally:
+        granted()  # also when the bind failed: the mapping must not go while its access is being set
 
 
 def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_write: bool = False,
