@@ -1,13 +1,17 @@
 /* The attach hot loop in C: build a view per manifest row and swap it into the module.
  *
- * Same contract as `rebind.bind_manifest`'s Python path, minus the diagnostics: one walk of
- * the module tree, one strided view per manifest row (made a run of like rows at a time,
- * see `make_views`), each resolved to the module's own
- * parameter or buffer and checked for shape and dtype, and -- only once every row checked
- * out -- each view's storage swapped into that tensor. Anything unusual (a row with no
- * owner, a shape or dtype that disagrees, a tensor left on meta, a name that collides with
- * an attribute) returns None having changed nothing, and the Python path then produces the
- * error that names every case. A malformed manifest raises ValueError / TypeError.
+ * Same contract as `rebind.bind_manifest`'s Python path, minus the diagnostics:
+ *   survey  one walk of the module tree, every parameter and buffer by qualified name; it needs
+ *           the module alone, so an engine takes it while the agent prepares its answer;
+ *   bind    one strided view per manifest row (made a run of like rows at a time, see
+ *           `make_views`), each looked up in the survey and checked for shape and dtype (a row
+ *           the module does not declare is resolved from the root, see `resolve`, and becomes a
+ *           buffer of its owner), then -- only once every row checked out, and `before_swap`
+ *           returned -- each view's storage swapped into that tensor.
+ * Anything unusual (a row with no owner, a shape or dtype that disagrees, a tensor left on
+ * meta, a name that collides with an attribute, a tree nested deeper than MAX_DEPTH) returns
+ * None having changed nothing, and the Python path then produces the error that names every
+ * case. A malformed manifest raises ValueError / TypeError.
  *
  * Plain CPython API: torch is reached only through the Python objects handed in (the bound
  * `as_strided` of the arena per form, `torch._C._swap_tensor_impl`), so one build works

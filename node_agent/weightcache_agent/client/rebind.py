@@ -14,9 +14,10 @@ submodule. Anything still on meta afterwards, or a shape/dtype that disagrees, i
 `AttachError` listing every case; on such an error nothing has been swapped.
 
 `bind_manifest` is the attach path: it builds the views from manifest columns and binds
-them in one pass, in C where the optional `_bindfast` extension was built (~30% less time
-than the Python path), falling back to the Python path for anything the C loop does not
-handle itself (errors, tensors it cannot place) -- same results either way.
+them in one pass, in C where the optional `_bindfast` extension was built, falling back to
+the Python path for anything the C loop does not handle itself (errors, tensors it cannot
+place) -- same results either way. The C loop's walk of the module tree (`survey`) needs
+no manifest: `attach` takes it while the agent prepares its answer.
 """
 from __future__ import annotations
 

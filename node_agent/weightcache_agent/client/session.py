@@ -1,9 +1,10 @@
 """The engine side: attach a meta-device module to cached weights, zero-copy.
 
 `attach()` is the one call an engine makes. In `client` mode it connects to the agent,
-sends its spec, its checkpoint's file signature and its role, receives the manifest and
-the arena fd, maps the arena read-only and binds the module's own parameters to one
-strided view per tensor (`rebind.bind_manifest`).
+sends its spec, its checkpoint's file signature and its role, walks the module while the
+agent answers (`rebind.survey`), receives the manifest and the arena fd, maps the arena
+read-only and binds the module's own parameters to one strided view per tensor
+(`rebind.bind_manifest`).
 The connection stays open as the lease; a background thread waits on it for a
 `promote` or `demote` message (hot standby, planned switchover) or for the agent to go
 away (the weights stay mapped, the engine keeps serving). In a pod that an EngineSet
