@@ -8,8 +8,9 @@ One run, one backend (cpu here, cuda on a GPU host), the same checkpoint through
   2. agent restart with an engine attached (SIGKILL, start again): process start -> status
      says ready, bytes read from disk, and whether torch got loaded into the agent;
   3. cold load from process start, page cache dropped (`posix_fadvise(DONTNEED)` per file,
-     and `drop_caches` where root may), against a raw sequential read of the same files just
-     before, per quantization; the agent's peak RSS and what it prefetched during start-up;
+     and `drop_caches` where root may), per quantization, against the mean of two raw
+     sequential reads of the same files, one just before and one just after; the agent's
+     peak RSS and what it prefetched during start-up;
   4. N engine processes (default 64) attaching one agent at the same moment (each already
      started and prepared, released together): p50 / p99 of their attaches, and the
      slowest `status` answer from a poller asking every 10 ms throughout.
@@ -236,21 +237,30 @@ def main() -> int:
     files = files_of(cold_model)
     size = sum(os.path.getsize(f) for f in files)
     quants = args.quantizations.split(",") if "cold" in sections else []
-    for quant in quants:
+    # Each load sits between two raw reads of the same files, and is compared with their mean:
+    # a virtual disk's rate drifts by up to 10% within minutes, and one raw read before a load
+    # charges that drift to the load.
+    if quants:
         drop_cache(files)
-        raw = raw_read(files)
+        raw_after = raw_read(files)
+    for quant in quants:
+        raw_before = raw_after
         drop_cache(files)
         cold = Agent(cold_model, os.path.join(tmp, f"cold-{quant}.sock"), args.backend, "--quantization", quant)
         st = cold.ready()
         torch_in_cold = cold.torch_loaded()
         cold.stop()
+        drop_cache(files)
+        raw_after = raw_read(files)
+        raw = (raw_before + raw_after) / 2
         wall = st["wall_seconds"]
-        result[f"cold_{quant}"] = {"raw_s": raw, "wall_s": wall, "load_s": st["load_seconds"], "torch_loaded": torch_in_cold,
+        result[f"cold_{quant}"] = {"raw_s": raw, "raw_before_s": raw_before, "raw_after_s": raw_after, "wall_s": wall,
+                                   "load_s": st["load_seconds"], "torch_loaded": torch_in_cold,
                                    "peak_rss_bytes": st.get("peak_rss_bytes"),
                                    "prefetched_bytes": st.get("prefetched_bytes"),
                                    "breakdown": st.get("load_breakdown")}
-        rows.append((f"cold load, {quant}, {size / 2**30:.1f} GiB: process start -> serving (raw read just before: "
-                     f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s)",
+        rows.append((f"cold load, {quant}, {size / 2**30:.1f} GiB: process start -> serving (raw reads just before and "
+                     f"after: {raw_before:.2f} s, {raw_after:.2f} s = {size / raw / 1e9:.2f} GB/s on average)",
                      f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s",
                      f"{raw / wall:.2f} of raw; torch {'loaded' if torch_in_cold else 'not loaded'}"))
         phases = ", ".join(f"{k} {v:.2f}" for k, v in (st.get("load_breakdown") or {}).items()
