@@ -60,8 +60,9 @@ def gc_paused() -> Iterator[None]:
 
 def survey(module: nn.Module) -> object | None:
     """What the C bind needs to know of `module` before any manifest: every parameter and
-    buffer table in its tree, and how many tensors they hold. It depends on the module alone,
-    so `attach` takes it while the agent prepares its answer. None without the C extension."""
+    buffer by qualified name, and how many distinct tensors they are. It depends on the module
+    alone, so `attach` takes it while the agent prepares its answer; a module changed after it
+    must be surveyed again. None without the C extension."""
     if _bindfast is None:
         return None
     with gc_paused():

@@ -362,7 +362,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
 
 
 def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
-                request: dict[str, Any]) -> None:
+                 request: dict[str, Any]) -> None:
     protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
                                  "request": request})
 
@@ -421,7 +421,6 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
         else:
             granted()
             tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
-        granted()
         if phases is not None:
             phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
         return tensors
