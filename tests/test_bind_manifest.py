@@ -211,3 +211,16 @@ def test_modules_nested_deeper_than_the_c_walk_goes_bind_through_the_python_path
         deepest = deepest.inner
     assert len(tensors) == 81 and not deepest.weight.is_meta
     assert deepest.weight.data_ptr() == base.data_ptr() + layout.slots[-1].offset
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_a_row_named_twice_does_not_hide_a_tensor_left_out(native):
+    """Whether anything stays on meta is decided by distinct tensors bound, not rows counted."""
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, _ = arena(drop=("layers.1.norm.bias",))
+    twice = {**columns, **{k: columns[k] + columns[k][:1] for k in ("name", "offset", "form")}}
+    m = meta_model()
+    with pytest.raises(AttachError, match=r"layers\.1\.norm\.bias: still on the meta device"):
+        bind_manifest(m, base, twice, native=native)
+    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
