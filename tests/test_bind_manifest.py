@@ -224,3 +224,20 @@ def test_a_row_named_twice_does_not_hide_a_tensor_left_out(native):
     with pytest.raises(AttachError, match=r"layers\.1\.norm\.bias: still on the meta device"):
         bind_manifest(m, base, twice, native=native)
     assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_names_that_are_no_utf8_bind_or_are_refused_as_any_other(native):
+    """A lone surrogate (JSON allows one) in rows the module does not declare: as a leaf it is a
+    new buffer like any other; as a submodule nothing is named so."""
+    if native and _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, _ = arena({"layers.0.proj.\ud800": torch.ones(1)})
+    m = meta_model()
+    bind_manifest(m, base, columns, native=native)
+    assert torch.equal(m.layers[0].proj.get_buffer("\ud800"), torch.ones(1))
+    base, columns, _ = arena({"decoder\ud800.x": torch.zeros(1)})
+    m = meta_model()
+    with pytest.raises(AttachError, match="nowhere to go"):
+        bind_manifest(m, base, columns, native=native)
+    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())

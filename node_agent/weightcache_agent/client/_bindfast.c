@@ -109,7 +109,7 @@ typedef struct {
     NameBuf name;
 } Survey;
 
-/* 0 done, 1 nested deeper than MAX_DEPTH, -1 error. */
+/* 0 done, 1 for the Python path (nested deeper than MAX_DEPTH, a name not UTF-8), -1 error. */
 static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth) {
     if (depth > MAX_DEPTH)
         return 1;
@@ -123,8 +123,13 @@ static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth)
         while (rc == 0 && PyDict_Next(table, &pos, &leaf, &value)) {
             if (value == Py_None)
                 continue;
-            if ((rc = namebuf_put(&sv->name, at, leaf, a == 2)) < 0)
+            if ((rc = namebuf_put(&sv->name, at, leaf, a == 2)) < 0) {
+                if (PyErr_ExceptionMatches(PyExc_UnicodeEncodeError)) {  /* a name the Python path handles */
+                    PyErr_Clear();
+                    rc = 1;
+                }
                 break;
+            }
             if (a == 2) {
                 rc = survey_module(sv, value, sv->name.len, depth + 1);
                 continue;
@@ -157,7 +162,8 @@ static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth)
  *
  * One walk of the module tree: every non-None parameter and buffer by qualified name, and how
  * many distinct tensors they are. It depends on the module alone, so an engine takes it while
- * the agent prepares its answer. None where the tree nests deeper than MAX_DEPTH. */
+ * the agent prepares its answer. None where the Python path must walk it instead (nested deeper
+ * than MAX_DEPTH, or a name with a lone surrogate). */
 static PyObject *survey(PyObject *self, PyObject *module) {
     Survey sv = {PyDict_New(), {NULL, 0}, 0, {NULL, 0, 0}};
     PyObject *result = NULL;
@@ -214,8 +220,12 @@ static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf
     Py_ssize_t len, pos = 0, d = 0;
     const char *s = PyUnicode_AsUTF8AndSize(name, &len);
     *owner = *leaf = NULL;
-    if (s == NULL)
-        return -1;
+    if (s == NULL) {  /* a lone surrogate: no submodule is named so, and the Python path says where */
+        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
     while (d < path->depth) {  /* the components this name shares with the last one */
         Py_ssize_t e = path->end[d];
         if (e >= len || s[e] != '.' || memcmp(s + pos, path->name + pos, e - pos) != 0)
