@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -374,7 +375,7 @@ def test_an_arena_filled_from_a_peer_view_holds_the_sources_bytes():
 def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_before_the_wait():
     """An engine's mapping: read access is set on a thread while the engine binds; the wait
     comes before any read, and a mapping dropped first joins that thread before it unmaps."""
-    from weightcache_agent.arena.cuda import CudaArena, free_memory, map_readonly_cuda_meanwhile
+    from weightcache_agent.arena.cuda import CudaArena, map_readonly_cuda_meanwhile
     from weightcache_agent.arena.devices import cuda_uuid
 
     uuid, size = cuda_uuid(0), 64 << 20
@@ -387,11 +388,10 @@ def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_be
         granted()
         assert torch.equal(base[:size], data)
         del base, granted
-        torch.cuda.synchronize()
-        free = free_memory(0)
+        threads = threading.active_count()
         for _ in range(50):
             base, granted = map_readonly_cuda_meanwhile(arena.fd, arena.size, uuid)
             del base, granted  # the last reference: released, the grant joined first
-        assert free_memory(0) >= free - (2 << 20)
+        assert threading.active_count() == threads
     finally:
         arena.close()
