@@ -10,8 +10,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -372,26 +372,42 @@ def test_an_arena_filled_from_a_peer_view_holds_the_sources_bytes():
 
 
 @cuda
-def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_before_the_wait():
+def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_before_the_wait(monkeypatch):
     """An engine's mapping: read access is set on a thread while the engine binds; the wait
-    comes before any read, and a mapping dropped first joins that thread before it unmaps."""
-    from weightcache_agent.arena.cuda import CudaArena, map_readonly_cuda_meanwhile
+    comes before any read. A mapping dropped before the wait is released once the grant is
+    done, by the grant's own thread where that holds the last reference."""
+    from weightcache_agent.arena import cuda as cuda_arena
     from weightcache_agent.arena.devices import cuda_uuid
 
+    failures = []
+    release = cuda_arena._Mapping.release
+
+    def recorded(mapping) -> None:  # __del__ swallows what a release raises: keep it here
+        try:
+            release(mapping)
+        except BaseException as e:
+            failures.append(e)
+            raise
+
+    monkeypatch.setattr(cuda_arena._Mapping, "release", recorded)
     uuid, size = cuda_uuid(0), 64 << 20
     data = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda:0")
-    arena = CudaArena(size, 0, uuid)
+    arena = cuda_arena.CudaArena(size, 0, uuid)
     try:
         arena.device_tensor().copy_(data)
         arena.seal()
-        base, granted = map_readonly_cuda_meanwhile(arena.fd, arena.size, uuid)
+        base, granted = cuda_arena.map_readonly_cuda_meanwhile(arena.fd, arena.size, uuid)
         granted()
         assert torch.equal(base[:size], data)
         del base, granted
-        threads = threading.active_count()
+        gone = []
         for _ in range(50):
-            base, granted = map_readonly_cuda_meanwhile(arena.fd, arena.size, uuid)
-            del base, granted  # the last reference: released, the grant joined first
-        assert threading.active_count() == threads
+            base, granted = cuda_arena.map_readonly_cuda_meanwhile(arena.fd, arena.size, uuid)
+            gone.append(weakref.ref(granted.__self__))
+            del base, granted
+        deadline = time.monotonic() + 10
+        while any(ref() is not None for ref in gone) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert all(ref() is None for ref in gone) and failures == []
     finally:
         arena.close()

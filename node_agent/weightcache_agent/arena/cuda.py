@@ -231,7 +231,9 @@ class _Mapping:
 
     def release(self) -> None:
         cu = driver()
-        if self._granter is not None:  # never unmap under a cuMemSetAccess in flight
+        # Never unmap under a cuMemSetAccess in flight. The grant's own thread may drop the last
+        # reference (the caller let go first): its call is done by then.
+        if self._granter is not None and self._granter is not threading.current_thread():
             self._granter.join()
         if self.ptr is not None:
             if getattr(self, "_mapped", False):
