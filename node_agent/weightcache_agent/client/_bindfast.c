@@ -32,7 +32,7 @@ static PyObject *table_of(PyObject *module, PyObject *attr) {
     return table;
 }
 
-/* A set of object addresses (open addressing): the modules surveyed, the tensors bound. */
+/* A set of object addresses (open addressing): the tensors surveyed, the tensors bound. */
 typedef struct {
     void **slots;
     size_t mask;
@@ -215,7 +215,7 @@ static void path_cut(Path *path, Py_ssize_t depth) {
 }
 
 /* The owner of dotted `name` (borrowed, via path) and its last component as a new str in *leaf:
- * 1 found, 0 no such submodule (or nested too deep), -1 error. */
+ * 1 found, 0 no such submodule (or nested too deep, or not UTF-8), -1 error. */
 static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf) {
     Py_ssize_t len, pos = 0, d = 0;
     const char *s = PyUnicode_AsUTF8AndSize(name, &len);
