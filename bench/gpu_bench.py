@@ -171,13 +171,14 @@ def main() -> int:
             drop_cache(files)
             raw_after = raw_read(files)
             raw = (raw_before + raw_after) / 2
-            result[f"cold_{quant}_s"], result[f"raw_read_{quant}_s"] = st["load_seconds"], raw
+            wall = st["wall_seconds"]
+            result[f"cold_{quant}_s"], result[f"raw_read_{quant}_s"] = wall, raw
             split = ", ".join(f"{k} {v:.2f}" for k, v in st.get("load_breakdown", {}).items())
             rows.append((f"raw sequential reads before and after (page cache dropped): {raw_before:.2f}, "
                          f"{raw_after:.2f} s", f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s", "1.00"))
-            rows.append((f"agent cold load, {quant} (process start to ready: {st['wall_seconds']:.2f} s; {split} s)",
-                         f"{st['load_seconds']:.2f} s = {size / st['load_seconds'] / 1e9:.2f} GB/s",
-                         f"{raw / st['load_seconds']:.2f} of raw"))
+            rows.append((f"agent cold load, {quant}: process start -> serving (the load itself "
+                         f"{st['load_seconds']:.2f} s; {split} s)", f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s",
+                         f"{raw / wall:.2f} of raw"))
         if quant == "fp8-block":
             agent.stop()
     serving = agent  # the bf16 one stays up for the attach runs
@@ -232,15 +233,16 @@ def main() -> int:
     del module, handles
     torch.cuda.empty_cache()
 
-    rows.insert(0, ("A: load_file(cuda) + load_state_dict (warm page cache)", f"{a * 1e3:.0f} ms", f"{a / med:.0f}x ours"))
+    rows.insert(0, ("A: load_file(cuda) + load_state_dict (warm page cache)", f"{a * 1e3:.0f} ms",
+                    f"{a / first:.0f}x ours (first)"))
     rows.insert(1, ("B: legacy IPC handle per tensor, first rebuild in a fresh process + load_state_dict(assign=True)",
                     f"{b * 1e3:.1f} ms", f"{b / first:.1f}x ours (first)"))
     rows.insert(2, ("ours: first attach in a fresh engine process (prepare() at engine start)", f"{first * 1e3:.2f} ms",
                     "1x"))
     rows.insert(3, ("ours: later attaches in that process (median)", f"{med * 1e3:.2f} ms", f"{med / first:.2f}x"))
     ro = result["readopt"]
-    rows.append(("agent restart, arena re-adopted from an engine (ready after bind)",
-                 f"{ro['load_seconds'] * 1e3:.1f} ms (process start to ready {ro['wall_seconds']:.2f} s)",
+    rows.append(("agent restart, arena re-adopted from an engine: process start -> serving",
+                 f"{ro['wall_seconds'] * 1e3:.0f} ms (the re-adoption itself {ro['load_seconds'] * 1e3:.1f} ms)",
                  f"adopted={ro['adopted']}, {ro['bytes_read']} bytes read"))
     lines = [f"{size / 2**30:.1f} GiB in {count} tensors, {result['gpu']}, torch {result['torch']}", "",
              "| step | time | ratio |", "| --- | ---: | ---: |"] + [f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in rows]
@@ -250,7 +252,7 @@ def main() -> int:
         "later attaches <= 10 ms": med <= 0.010,
         **({"cold load fp8-block >= 90% of raw read": result["raw_read_fp8-block_s"] / result["cold_fp8-block_s"] >= 0.9}
            if args.cold else {}),
-        "restart re-adoption <= 50 ms, 0 bytes read": ro["adopted"] and ro["load_seconds"] <= 0.05 and ro["bytes_read"] == 0,
+        "restart -> serving <= 1 s, 0 bytes read": ro["adopted"] and ro["wall_seconds"] <= 1.0 and ro["bytes_read"] == 0,
     }
     lines += ["", "bars: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in bars.items())]
     text = "\n".join(lines)
