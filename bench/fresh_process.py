@@ -35,7 +35,7 @@ PKG = os.path.join(HERE, "..", "node_agent")
 sys.path.insert(0, PKG)
 
 from agent_process import AgentProcess  # noqa: E402  (torch-free, as this module)
-from page_cache import drop_cache, raw_read  # noqa: E402
+from page_cache import between_raw_reads  # noqa: E402
 from weightcache_agent import agent_status  # noqa: E402  (torch-free)
 
 ENGINE = r"""
@@ -237,22 +237,17 @@ def main() -> int:
     files = files_of(cold_model)
     size = sum(os.path.getsize(f) for f in files)
     quants = args.quantizations.split(",") if "cold" in sections else []
-    # Each load sits between two raw reads of the same files, and is compared with their mean:
-    # a virtual disk's rate drifts by up to 10% within minutes, and one raw read before a load
-    # charges that drift to the load.
-    if quants:
-        drop_cache(files)
-        raw_after = raw_read(files)
-    for quant in quants:
-        raw_before = raw_after
-        drop_cache(files)
+
+    def cold_load(quant: str) -> tuple[dict, bool]:
         cold = Agent(cold_model, os.path.join(tmp, f"cold-{quant}.sock"), args.backend, "--quantization", quant)
         st = cold.ready()
-        torch_in_cold = cold.torch_loaded()
+        torch_loaded = cold.torch_loaded()
         cold.stop()
-        drop_cache(files)
-        raw_after = raw_read(files)
-        raw = (raw_before + raw_after) / 2
+        return st, torch_loaded
+
+    loads = [lambda quant=quant: cold_load(quant) for quant in quants]
+    for quant, ((st, torch_in_cold), raw_before, raw_after) in zip(quants, between_raw_reads(files, loads)):
+        raw = (raw_before + raw_after) / 2  # the mean of the raw reads around the load
         wall = st["wall_seconds"]
         result[f"cold_{quant}"] = {"raw_s": raw, "raw_before_s": raw_before, "raw_after_s": raw_after, "wall_s": wall,
                                    "load_s": st["load_seconds"], "torch_loaded": torch_in_cold,

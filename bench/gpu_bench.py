@@ -28,7 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 
 from agent_process import AgentProcess  # noqa: E402
-from page_cache import drop_cache, raw_read  # noqa: E402
+from page_cache import between_raw_reads  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
@@ -156,20 +156,15 @@ def main() -> int:
     result: dict = {"bytes": size, "tensors": count, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
     tmp = tempfile.mkdtemp(prefix="wc-")
 
-    # -- cold path vs. the raw read rate: each load between two raw reads, against their mean ---
-    # (a virtual disk's rate drifts by up to 10% within minutes)
-    if args.cold:
-        drop_cache(files)
-        raw_after = raw_read(files)
-    for quant in ("fp8-block", "none") if args.cold else ("none",):
-        if args.cold:
-            drop_cache(files)
+    def started(quant: str) -> tuple[Agent, dict]:
         agent = Agent(model, os.path.join(tmp, f"cold-{quant}.sock"), "--quantization", quant)
-        st = agent.ready()
-        if args.cold:
-            raw_before = raw_after
-            drop_cache(files)
-            raw_after = raw_read(files)
+        return agent, agent.ready()
+
+    # -- cold path vs. the raw read rate: each load against the mean of the raw reads around it --
+    if args.cold:
+        quants = ("fp8-block", "none")
+        loads = [lambda quant=quant: started(quant) for quant in quants]
+        for quant, ((agent, st), raw_before, raw_after) in zip(quants, between_raw_reads(files, loads)):
             raw = (raw_before + raw_after) / 2
             wall = st["wall_seconds"]
             result[f"cold_{quant}_s"], result[f"raw_read_{quant}_s"] = wall, raw
@@ -179,8 +174,10 @@ def main() -> int:
             rows.append((f"agent cold load, {quant}: process start -> serving (the load itself "
                          f"{st['load_seconds']:.2f} s; {split} s)", f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s",
                          f"{raw / wall:.2f} of raw"))
-        if quant == "fp8-block":
-            agent.stop()
+            if quant == "fp8-block":
+                agent.stop()
+    else:
+        agent, _ = started("none")
     serving = agent  # the bf16 one stays up for the attach runs
 
     # -- ours: attach + rebind ---------------------------------------------------------------

@@ -37,7 +37,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 sys.path.insert(0, HERE)
 
-from gpu_bench import drop_cache, make_checkpoint  # noqa: E402
+from gpu_bench import make_checkpoint  # noqa: E402
+from page_cache import drop_cache  # noqa: E402
 from tcp_rendezvous import rendezvous  # noqa: E402
 from weightcache_agent import CacheSpec, agent_status, protocol  # noqa: E402
 from weightcache_agent.client.session import map_arena  # noqa: E402
