@@ -119,15 +119,7 @@ def right_bytes(agent: LoggedAgent, disk: dict[str, torch.Tensor]) -> None:
 
 def serves_correctly(agent: LoggedAgent, disk: dict[str, torch.Tensor], leases_left: int = 0) -> None:
     """A fresh attach gets exactly the checkpoint's bytes; then the agent is back to `leases_left` leases."""
-    module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(agent.model).tensors.items()})
-    att = attach(module, CacheSpec(model=agent.model), socket=agent.socket, timeout=30)
-    try:
-        assert att.source == "agent"
-        params = dict(module.named_parameters())
-        assert set(params) == set(disk)
-        assert all(torch.equal(params[n].cpu(), disk[n]) for n in disk), "the agent served bytes that differ from disk"
-    finally:
-        att.close()
+    right_bytes(agent, disk)
     wait_for(lambda: len(agent.status()["clients"]) <= leases_left, 10, "the check's own lease ending")
     assert agent.proc.poll() is None
 
