@@ -17,7 +17,17 @@ from weightcache_agent.errors import AttachError
 from weightcache_agent.load.layout import lay_out
 from weightcache_agent.client.rebind import _bindfast, bind_manifest, survey
 
-PATHS = [pytest.param(True, id="C"), pytest.param(False, id="python")]
+
+@pytest.fixture(params=[True, False], ids=["C", "python"])
+def native(request) -> bool:
+    """Each test once with the C extension, once with the pure-Python path."""
+    if request.param and _bindfast is None:
+        pytest.skip("C extension not built")
+    return request.param
+
+
+def nothing_swapped(m: nn.Module) -> bool:
+    return all(t.is_meta for t in m.state_dict(keep_vars=True).values())
 
 
 class Block(nn.Module):
@@ -68,10 +78,7 @@ def test_the_extensions_are_built_where_a_compiler_exists():
     assert fp8._fp8cpu is not None, "setup.py's optional _fp8cpu failed to build; see the pip install log"
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_every_tensor_is_bound_in_place_to_the_arena(native):
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, values = arena()
     m = meta_model()
     before = dict(m.named_parameters(remove_duplicate=False))
@@ -85,10 +92,7 @@ def test_every_tensor_is_bound_in_place_to_the_arena(native):
     assert all(tensors[n] is t for n, t in m.state_dict(keep_vars=True).items() if n in tensors)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_undeclared_tensors_become_buffers(native):
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, values = arena({"layers.0.proj.weight_scale_inv": torch.ones(1, 1)})
     m = meta_model()
     bind_manifest(m, base, columns, native=native)
@@ -96,7 +100,6 @@ def test_undeclared_tensors_become_buffers(native):
     assert "layers.0.proj.weight_scale_inv" in m.state_dict()
 
 
-@pytest.mark.parametrize("native", PATHS)
 @pytest.mark.parametrize("case,message", [
     ("missing", r"layers\.1\.norm\.bias: still on the meta device"),
     ("shape", r"layers\.0\.norm\.weight: model expects \(4,\) float32, cache holds \(5,\) float32"),
@@ -105,21 +108,16 @@ def test_undeclared_tensors_become_buffers(native):
     ("collision", r"layers\.0\.proj\.in_features: cache tensor has nowhere to go"),
 ])
 def test_refusals_name_the_tensor_and_swap_nothing(native, case, message):
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     extra = {"shape": {"layers.0.norm.weight": torch.zeros(5)}, "dtype": {"layers.0.steps": torch.zeros(2, dtype=torch.int32)},
              "homeless": {"decoder.x": torch.zeros(1)}, "collision": {"layers.0.proj.in_features": torch.zeros(1)}}.get(case)
     base, columns, _ = arena(extra, drop=("layers.1.norm.bias",) if case == "missing" else ())
     m = meta_model()
     with pytest.raises(AttachError, match=message):
         bind_manifest(m, base, columns, native=native)
-    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    assert nothing_swapped(m)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_malformed_columns_are_refused(native):
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, _ = arena()
     for broken in ({**columns, "form": [len(columns["forms"])] * len(columns["name"])},
                    {**columns, "offset": [o + 1 for o in columns["offset"]]},
@@ -129,12 +127,9 @@ def test_malformed_columns_are_refused(native):
             bind_manifest(meta_model(), base, broken, native=native)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_rows_in_runs_and_out_of_them_each_get_their_own_bytes(native):
     """The C loop makes like rows of evenly spaced layers a run at a time; layers out of
     order (the arena holds layer 3 last) break the runs, and every row still gets its bytes."""
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, values = arena(layers=9, order=lambda name: name.startswith("layers.3."))
     m = meta_model(layers=9)
     bind_manifest(m, base, columns, native=native)
@@ -143,34 +138,28 @@ def test_rows_in_runs_and_out_of_them_each_get_their_own_bytes(native):
     assert len({t.data_ptr() for t in m.state_dict().values()}) == len(values)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_a_run_that_reaches_past_the_arena_is_refused_and_swaps_nothing(native):
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, _ = arena(layers=9)
     m = meta_model(layers=9)
     with pytest.raises(RuntimeError, match="out of bounds"):
         bind_manifest(m, base[:columns["offset"][-2]].clone(), columns, native=native)
-    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    assert nothing_swapped(m)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_before_swap_runs_once_every_row_checked_out_and_its_error_swaps_nothing(native):
     """What the cuda mapping waits on (its access, granted meanwhile) runs before the first swap."""
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, values = arena()
     m = meta_model()
     seen = []
 
     def refuse() -> None:
-        seen.append(all(t.is_meta for t in m.state_dict(keep_vars=True).values()))
+        seen.append(nothing_swapped(m))
         raise OSError("access refused")
 
     with pytest.raises(OSError, match="access refused"):
         bind_manifest(m, base, columns, native=native, before_swap=refuse)
     assert seen == [True]
-    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    assert nothing_swapped(m)
     bind_manifest(m, base, columns, native=native, before_swap=lambda: seen.append("ok"))
     assert seen == [True, "ok"] and torch.equal(m.layers[1].norm.weight, values["layers.1.norm.weight"])
 
@@ -213,25 +202,19 @@ def test_modules_nested_deeper_than_the_c_walk_goes_bind_through_the_python_path
     assert deepest.weight.data_ptr() == base.data_ptr() + layout.slots[-1].offset
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_a_row_named_twice_does_not_hide_a_tensor_left_out(native):
     """Whether anything stays on meta is decided by distinct tensors bound, not rows counted."""
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, _ = arena(drop=("layers.1.norm.bias",))
     twice = {**columns, **{k: columns[k] + columns[k][:1] for k in ("name", "offset", "form")}}
     m = meta_model()
     with pytest.raises(AttachError, match=r"layers\.1\.norm\.bias: still on the meta device"):
         bind_manifest(m, base, twice, native=native)
-    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    assert nothing_swapped(m)
 
 
-@pytest.mark.parametrize("native", PATHS)
 def test_names_that_are_no_utf8_bind_or_are_refused_as_any_other(native):
     """A lone surrogate (JSON allows one) in rows the module does not declare: as a leaf it is a
     new buffer like any other; as a submodule nothing is named so."""
-    if native and _bindfast is None:
-        pytest.skip("C extension not built")
     base, columns, _ = arena({"layers.0.proj.\ud800": torch.ones(1)})
     m = meta_model()
     bind_manifest(m, base, columns, native=native)
@@ -240,4 +223,4 @@ def test_names_that_are_no_utf8_bind_or_are_refused_as_any_other(native):
     m = meta_model()
     with pytest.raises(AttachError, match="nowhere to go"):
         bind_manifest(m, base, columns, native=native)
-    assert all(t.is_meta for t in m.state_dict(keep_vars=True).values())
+    assert nothing_swapped(m)
