@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import weakref
 
@@ -373,9 +374,9 @@ def test_an_arena_filled_from_a_peer_view_holds_the_sources_bytes():
 
 @cuda
 def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_before_the_wait(monkeypatch):
-    """An engine's mapping: read access is set on a thread while the engine binds; the wait
-    comes before any read. A mapping dropped before the wait is released once the grant is
-    done, by the grant's own thread where that holds the last reference."""
+    """An engine's mapping: read access is set on the granter thread while the engine binds; the
+    wait comes before any read. A mapping dropped before the wait is released once its grant is
+    done."""
     from weightcache_agent.arena import cuda as cuda_arena
     from weightcache_agent.arena.devices import cuda_uuid
 
@@ -409,5 +410,6 @@ def test_access_granted_meanwhile_reads_the_arenas_bytes_and_a_mapping_may_go_be
         while any(ref() is not None for ref in gone) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert all(ref() is None for ref in gone) and failures == []
+        assert [t.name for t in threading.enumerate()].count("weightcache-map") == 1  # one granter for them all
     finally:
         arena.close()

@@ -14,7 +14,7 @@ NAME = "weightcache_agent"
 # Lowest first; see the package docstring. Top-level modules not listed are `cli` level.
 # A unit is a subpackage, or a group of top-level modules; units of one rank never import each other.
 LAYERS = [
-    {"base": {"errors", "spec", "quantization", "protocol", "logs", "usage"}},
+    {"base": {"errors", "spec", "quantization", "protocol", "packed_rows", "logs", "usage"}},
     {"arena": {"arena"}},
     {"load": {"load"}},
     {"client": {"client"}, "serve": {"serve"}, "testing": {"testing"}},

@@ -7,8 +7,9 @@ never import torch, and nothing here ever imports kopf or kubernetes.
 
 Layers, lowest first; a module imports only from layers below its own (and its own
 subpackage), which `tests/test_layers.py` checks:
-  base      errors, spec, quantization, protocol, logs,  what every process shares
-            usage (help layout, exit codes)
+  base      errors, spec, quantization, protocol,        what every process shares
+            packed_rows (a manifest's rows, binary),
+            logs, usage (help layout, exit codes)
   arena     cpu (memfd), cuda (VMM), devices             the memory weights live in
   load      checkpoint -> shard -> quantize -> arena     the cold path, and the fingerprint
   client    session (attach), rebind                     what an engine imports

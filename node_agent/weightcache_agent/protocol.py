@@ -6,11 +6,15 @@ ride on the header bytes as SCM_RIGHTS ancillary data, so they arrive with the f
 `recvmsg` of the frame. Each side caps what it accepts: requests are small, a reply may
 carry a large manifest. Anything else raises `ProtocolError` naming what was wrong.
 
+A binary frame (magic `WCAB`, same header) carries bytes a JSON frame just before it announced.
+
 Messages (client -> agent):
   {"type": "status"}                                   -> {"type": "status", ...}
   {"type": "attach", "pid", "role", "group", "pod", "request"} -> {"type": "manifest", ...} + fds, then
       the connection is the lease; the agent may later send {"type": "promote"} or {"type": "demote"}.
       role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
+      With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
+      rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
   {"type": "detach"}                                   -> the lease ends cleanly
   {"type": "promoted"}                                 on a lease: the answer to "promote", sent once
       the engine serves as primary; until then the agent reports the lease as "promoting".
@@ -46,6 +50,7 @@ from typing import Any
 from .errors import AgentUnavailable, ProtocolError, WeightCacheError
 
 MAGIC = b"WCAP"
+PAYLOAD_MAGIC = b"WCAB"  # a binary frame: the bytes a JSON frame before it announced
 PROTOCOL_VERSION = 2  # 2: manifest forms table, file signature in attach requests
 HEADER = struct.Struct("!4sHHI")
 MAX_REQUEST_BYTES = 1 << 20  # what the agent accepts from a client
@@ -58,19 +63,29 @@ MAX_JSON_DEPTH = 32  # far deeper than any message of ours nests
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
-                 encoded: dict[str, bytes] | None = None) -> None:
-    """Send one frame. `encoded` adds members already serialised to JSON (a cached manifest)."""
+                 encoded: dict[str, bytes] | None = None, payload: bytes | None = None) -> None:
+    """Send one frame. `encoded` adds members already serialised to JSON (a cached manifest);
+    `payload` follows as a binary frame (see `recv_payload`), in the same system call."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if encoded:
         body = body[:-1] + b"".join(b',"%s":%s' % (key.encode(), value) for key, value in encoded.items()) + b"}"
-    header = HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body))
-    if fds:
-        sent = socket.send_fds(sock, [header], list(fds))
-        if sent != len(header):
-            sock.sendall(header[sent:])
-        sock.sendall(body)
-    else:
-        sock.sendall(header + body)
+    parts = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body)), body]
+    if payload is not None:
+        parts += [HEADER.pack(PAYLOAD_MAGIC, PROTOCOL_VERSION, 0, len(payload)), payload]
+    data = b"".join(parts)
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # fds ride on the first bytes
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def recv_payload(sock: socket.socket, length: int, deadline: float | None = None) -> bytearray:
+    """The binary frame of `length` bytes that a message announced (a manifest's packed rows)."""
+    header = _recv_exact(sock, HEADER.size, deadline)
+    magic, version, _reserved, announced = HEADER.unpack(header)
+    if magic != PAYLOAD_MAGIC or version != PROTOCOL_VERSION or announced != length:
+        raise ProtocolError(f"expected a binary frame of {length} bytes, got magic {bytes(magic)!r} version {version} "
+                            f"length {announced}")
+    return _recv_exact(sock, length, deadline)
 
 
 def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline: float | None = None,
@@ -189,7 +204,7 @@ def _recv_with_fds(sock: socket.socket, nbytes: int, max_fds: int) -> tuple[byte
     return data, received
 
 
-def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None) -> bytes:
+def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None) -> bytearray:
     buf = bytearray(length)
     view = memoryview(buf)
     got = 0
@@ -204,7 +219,7 @@ def _recv_exact(sock: socket.socket, length: int, deadline: float | None = None)
         if n == 0:
             raise ProtocolError(f"connection closed inside a frame body ({got} of {length} bytes)")
         got += n
-    return bytes(buf)
+    return buf
 
 
 _STATUS_PEEK = HEADER.size + 64  # {"type":"status"} with room to spare

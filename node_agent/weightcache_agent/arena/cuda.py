@@ -6,7 +6,7 @@ once. After loading, `seal()` drops the agent's own mapping, so not even the age
 scribble on served weights; the allocation lives on through its handle and the fd.
 
 Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ
-(on a thread, while the engine binds its views), and wrap the pointer as a uint8 torch
+(on the process's granter thread, while the engine binds its views), and wrap the pointer as a uint8 torch
 tensor through `__cuda_array_interface__` -- no copy. The `_Mapping` object is what torch
 keeps alive for as long as any view of the arena exists; when the last view goes, it
 unmaps and releases the imported handle.
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import re
 import sys
 import threading
@@ -166,15 +167,60 @@ def granularity(ordinal: int) -> int:
         _prop(ordinal), cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity"))
 
 
+class _Grant:
+    """One cuMemSetAccess for the granter thread: `done` once the driver answered, `error` what it refused."""
+
+    def __init__(self, ptr: Any, size: int, access: list):
+        self.ptr, self.size, self.access = ptr, size, access
+        self.calling, self.done = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+
+
+class _Granter:
+    """cuMemSetAccess costs ~1 ms for tens of GiB and lets go of the GIL while the driver works:
+    on a thread, it overlaps the caller's bind (torch wraps a mapped range before its access is
+    set). One thread per process, started with the first grant (an engine's `prepare()`), because
+    starting a thread per attach costs a first attach ~0.2 ms. It holds no mapping: a mapping
+    waits for its grant before it unmaps, wherever its last reference goes."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[_Grant] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, grant: _Grant) -> None:
+        """Queue `grant`; wait on `grant.calling` for the thread to be in the driver call, which
+        hands the GIL back."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():  # also: a forked child has none
+                self._thread = threading.Thread(target=self._run, name="weightcache-map", daemon=True)
+                self._thread.start()
+        self._jobs.put(grant)
+
+    def _run(self) -> None:
+        while True:
+            grant = self._jobs.get()
+            grant.calling.set()
+            try:
+                checked(driver().cuMemSetAccess(grant.ptr, grant.size, grant.access, len(grant.access)),
+                        "cuMemSetAccess")
+            except BaseException as e:
+                grant.error = e
+            finally:
+                grant.done.set()
+
+
+_granter = _Granter()
+
+
 class _Mapping:
     """A reserved + mapped VA range over one allocation handle; unmapped and released on drop.
 
     `ordinal` and every device in `readers` get access (the readers: read-only, over the GPUs'
-    peer link). With `access_meanwhile`, the access is granted on a thread while the caller goes
-    on (see `_grant_meanwhile`); `wait_for_access()` before anything reads the memory."""
+    peer link). With `access_meanwhile`, the access is granted by the granter thread while the
+    caller goes on; `wait_for_access()` before anything reads the memory."""
 
-    _granter: threading.Thread | None = None
-    _access_error: BaseException | None = None
+    _grant: _Grant | None = None
 
     def __init__(self, handle: Any, size: int, ordinal: int, writable: bool, owns_handle: bool,
                  readers: Sequence[int] = (), access_meanwhile: bool = False):
@@ -187,7 +233,10 @@ class _Mapping:
             self._mapped = True
             access = [_access(ordinal, writable)] + [_access(o, False) for o in sorted(set(readers) - {ordinal})]
             if access_meanwhile:
-                self._grant_meanwhile(access)
+                grant = _Grant(self.ptr, size, access)
+                _granter.submit(grant)
+                self._grant = grant  # from here on, release() waits for it
+                grant.calling.wait()
             else:
                 checked(cu.cuMemSetAccess(self.ptr, size, access, len(access)), "cuMemSetAccess")
         except BaseException:
@@ -195,29 +244,13 @@ class _Mapping:
             raise
         self.readonly = not writable
 
-    def _grant_meanwhile(self, access: list) -> None:
-        """cuMemSetAccess costs ~1 ms for tens of GiB and lets go of the GIL while the driver works:
-        on a thread, it overlaps the caller's bind (torch wraps a mapped range before its access is set)."""
-        calling = threading.Event()
-
-        def grant() -> None:
-            calling.set()
-            try:
-                checked(driver().cuMemSetAccess(self.ptr, self.size, access, len(access)), "cuMemSetAccess")
-            except BaseException as e:
-                self._access_error = e
-
-        self._granter = threading.Thread(target=grant, name="weightcache-map", daemon=True)
-        self._granter.start()
-        calling.wait()  # returns once the thread is in the driver call, which hands the GIL back
-
     def wait_for_access(self) -> None:
         """Until the access is granted; what the driver refused, raised here (every call)."""
-        granter = self._granter
-        if granter is not None:
-            granter.join()
-        if self._access_error is not None:
-            raise self._access_error
+        grant = self._grant
+        if grant is not None:
+            grant.done.wait()
+            if grant.error is not None:
+                raise grant.error
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -231,10 +264,8 @@ class _Mapping:
 
     def release(self) -> None:
         cu = driver()
-        # Never unmap under a cuMemSetAccess in flight. The grant's own thread may drop the last
-        # reference (the caller let go first): its call is done by then.
-        if self._granter is not None and self._granter is not threading.current_thread():
-            self._granter.join()
+        if self._grant is not None:  # never unmap under a cuMemSetAccess in flight
+            self._grant.done.wait()
         if self.ptr is not None:
             if getattr(self, "_mapped", False):
                 cu.cuMemUnmap(self.ptr, self.size)

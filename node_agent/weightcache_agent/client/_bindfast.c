@@ -1,17 +1,19 @@
 /* The attach hot loop in C: build a view per manifest row and swap it into the module.
  *
  * Same contract as `rebind.bind_manifest`'s Python path, minus the diagnostics:
- *   survey  one walk of the module tree, every parameter and buffer by qualified name; it needs
- *           the module alone, so an engine takes it while the agent prepares its answer;
- *   bind    one strided view per manifest row (made a run of like rows at a time, see
- *           `make_views`), each looked up in the survey and checked for shape and dtype (a row
- *           the module does not declare is resolved from the root, see `resolve`, and becomes a
- *           buffer of its owner), then -- only once every row checked out, and `before_swap`
- *           returned -- each view's storage swapped into that tensor.
+ *   survey  one walk of the module tree, every parameter and buffer by qualified name (UTF-8
+ *           bytes in a hash table: no str is made); it needs the module alone, so an engine
+ *           takes it while the agent prepares its answer;
+ *   bind    reads the packed rows (`packed_rows`) where they lie; one strided view per row
+ *           (made a run of like rows at a time, see `make_views`), each name looked up in the
+ *           survey and checked for shape and dtype (a row the module does not declare is
+ *           resolved from the root, see `resolve`, and becomes a buffer of its owner), then --
+ *           only once every row checked out, and `before_swap` returned -- each view's storage
+ *           swapped into that tensor.
  * Anything unusual (a row with no owner, a shape or dtype that disagrees, a tensor left on
  * meta, a name that collides with an attribute, a tree nested deeper than MAX_DEPTH) returns
  * None having changed nothing, and the Python path then produces the error that names every
- * case. A malformed manifest raises ValueError / TypeError.
+ * case. Malformed rows raise ValueError.
  *
  * Plain CPython API: torch is reached only through the Python objects handed in (the bound
  * `as_strided` of the arena per form, `torch._C._swap_tensor_impl`), so one build works
@@ -19,6 +21,8 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
+#include <string.h>
 
 static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta;
 
@@ -81,13 +85,9 @@ typedef struct {
     Py_ssize_t len, cap;
 } NameBuf;
 
-static int namebuf_put(NameBuf *buf, Py_ssize_t at, PyObject *leaf, int dot) {
-    Py_ssize_t n;
-    const char *s = PyUnicode_AsUTF8AndSize(leaf, &n);
-    if (s == NULL)
-        return -1;
-    if (at + n + 1 > buf->cap) {
-        Py_ssize_t cap = (at + n + 1) * 2;
+static int namebuf_reserve(NameBuf *buf, Py_ssize_t size) {
+    if (size + 1 > buf->cap) {
+        Py_ssize_t cap = (size + 1) * 2;
         char *text = PyMem_Realloc(buf->text, cap);
         if (text == NULL) {
             PyErr_NoMemory();
@@ -95,6 +95,14 @@ static int namebuf_put(NameBuf *buf, Py_ssize_t at, PyObject *leaf, int dot) {
         }
         buf->text = text, buf->cap = cap;
     }
+    return 0;
+}
+
+static int namebuf_put(NameBuf *buf, Py_ssize_t at, PyObject *leaf, int dot) {
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(leaf, &n);
+    if (s == NULL || namebuf_reserve(buf, at + n + 1) < 0)
+        return -1;
     memcpy(buf->text + at, s, n);
     buf->len = at + n;
     if (dot)
@@ -102,12 +110,105 @@ static int namebuf_put(NameBuf *buf, Py_ssize_t at, PyObject *leaf, int dot) {
     return 0;
 }
 
+/* A name's hash, its bytes taken eight at a time. */
+static uint64_t name_hash(const char *s, Py_ssize_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (uint64_t)n, w;
+    for (; n >= 8; s += 8, n -= 8) {
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDull;
+        h ^= h >> 32;
+    }
+    w = 0;
+    memcpy(&w, s, (size_t)n);
+    h = (h ^ w) * 0xC4CEB9FE1A85EC53ull;
+    return h ^ (h >> 29);
+}
+
 typedef struct {
-    PyObject *declared;  /* qualified name -> the module's non-None parameter or buffer */
+    Py_ssize_t at, len;  /* the qualified name, in Survey.text */
+    uint64_t hash;
+    PyObject *tensor;    /* the module's non-None parameter or buffer (strong); NULL: a free slot */
+} Entry;
+
+typedef struct {
+    Entry *slots;        /* open addressing, kept at most half full */
+    size_t mask;
+    Py_ssize_t used;
+    NameBuf text;        /* every name, one after another */
     PtrSet tensors;      /* the distinct tensors among them */
     Py_ssize_t places;   /* how many */
-    NameBuf name;
+    NameBuf name;        /* the name being built during the walk */
 } Survey;
+
+static const char SURVEY[] = "weightcache._bindfast.survey";
+
+static void survey_free(Survey *sv) {
+    for (size_t i = 0; sv->slots != NULL && i <= sv->mask; i++)
+        Py_XDECREF(sv->slots[i].tensor);
+    PyMem_Free(sv->slots);
+    PyMem_Free(sv->text.text);
+    PyMem_Free(sv->tensors.slots);
+    PyMem_Free(sv->name.text);
+    PyMem_Free(sv);
+}
+
+static void survey_capsule_free(PyObject *capsule) {
+    survey_free(PyCapsule_GetPointer(capsule, SURVEY));
+}
+
+static Entry *survey_slot(const Survey *sv, const char *s, Py_ssize_t n, uint64_t h) {
+    size_t i = h & sv->mask;
+    while (sv->slots[i].tensor != NULL) {
+        Entry *e = &sv->slots[i];
+        if (e->hash == h && e->len == n && memcmp(sv->text.text + e->at, s, (size_t)n) == 0)
+            break;
+        i = (i + 1) & sv->mask;
+    }
+    return &sv->slots[i];
+}
+
+/* The tensor named `s`, borrowed, or NULL. */
+static PyObject *survey_find(const Survey *sv, const char *s, Py_ssize_t n) {
+    return survey_slot(sv, s, n, name_hash(s, n))->tensor;
+}
+
+static int survey_grow(Survey *sv) {
+    size_t size = (sv->mask + 1) * 2;
+    Entry *old = sv->slots, *slots = PyMem_Calloc(size, sizeof *slots);
+    if (slots == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    size_t old_size = sv->mask + 1;
+    sv->slots = slots, sv->mask = size - 1;
+    for (size_t i = 0; i < old_size; i++)
+        if (old[i].tensor != NULL)
+            *survey_slot(sv, "", -1, old[i].hash) = old[i];  /* a length no name has: the first free slot */
+    PyMem_Free(old);
+    return 0;
+}
+
+/* Record the name being built (sv->name) as `tensor`'s. */
+static int survey_put(Survey *sv, PyObject *tensor) {
+    if ((size_t)(sv->used + 1) * 2 > sv->mask + 1 && survey_grow(sv) < 0)
+        return -1;
+    const char *s = sv->name.text;
+    Py_ssize_t n = sv->name.len;
+    uint64_t h = name_hash(s, n);
+    Entry *e = survey_slot(sv, s, n, h);
+    if (e->tensor != NULL) {  /* named again (a table changed under the walk): the last one holds */
+        Py_SETREF(e->tensor, Py_NewRef(tensor));
+        return 0;
+    }
+    Py_ssize_t at = sv->text.len;
+    if (namebuf_reserve(&sv->text, at + n) < 0)
+        return -1;
+    memcpy(sv->text.text + at, s, (size_t)n);
+    sv->text.len = at + n;
+    *e = (Entry){at, n, h, Py_NewRef(tensor)};
+    sv->used++;
+    return 0;
+}
 
 /* 0 done, 1 for the Python path (nested deeper than MAX_DEPTH, a name not UTF-8), -1 error. */
 static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth) {
@@ -134,9 +235,7 @@ static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth)
                 rc = survey_module(sv, value, sv->name.len, depth + 1);
                 continue;
             }
-            PyObject *name = PyUnicode_DecodeUTF8(sv->name.text, sv->name.len, NULL);
-            rc = name == NULL || PyDict_SetItem(sv->declared, name, value) < 0 ? -1 : 0;
-            Py_XDECREF(name);
+            rc = survey_put(sv, value);
             if (rc == 0 && (Py_ssize_t)(sv->tensors.mask / 2) <= sv->places) {  /* keep the set half empty */
                 PtrSet bigger;
                 rc = ptrset_init(&bigger, (Py_ssize_t)(sv->tensors.mask + 1));
@@ -158,34 +257,40 @@ static int survey_module(Survey *sv, PyObject *module, Py_ssize_t at, int depth)
     return 0;
 }
 
-/* survey(module) -> (declared, places) or None
+/* survey(module) -> an opaque survey, or None
  *
  * One walk of the module tree: every non-None parameter and buffer by qualified name, and how
  * many distinct tensors they are. It depends on the module alone, so an engine takes it while
  * the agent prepares its answer. None where the Python path must walk it instead (nested deeper
  * than MAX_DEPTH, or a name with a lone surrogate). */
 static PyObject *survey(PyObject *self, PyObject *module) {
-    Survey sv = {PyDict_New(), {NULL, 0}, 0, {NULL, 0, 0}};
-    PyObject *result = NULL;
-    if (sv.declared != NULL && ptrset_init(&sv.tensors, 4096) == 0) {
-        int rc = survey_module(&sv, module, 0, 0);
-        if (rc == 0)
-            result = Py_BuildValue("(On)", sv.declared, sv.places);
-        else if (rc == 1)
-            result = Py_NewRef(Py_None);
+    Survey *sv = PyMem_Calloc(1, sizeof *sv);
+    if (sv == NULL)
+        return PyErr_NoMemory();
+    sv->mask = 4095;
+    sv->slots = PyMem_Calloc(sv->mask + 1, sizeof *sv->slots);
+    if (sv->slots == NULL) {
+        survey_free(sv);
+        return PyErr_NoMemory();
     }
-    PyMem_Free(sv.tensors.slots);
-    PyMem_Free(sv.name.text);
-    Py_XDECREF(sv.declared);
-    return result;
+    int rc = ptrset_init(&sv->tensors, 4096);
+    if (rc == 0)
+        rc = survey_module(sv, module, 0, 0);
+    if (rc != 0) {
+        survey_free(sv);
+        return rc < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    PyObject *capsule = PyCapsule_New(sv, SURVEY, survey_capsule_free);
+    if (capsule == NULL)
+        survey_free(sv);
+    return capsule;
 }
 
-/* 1 if a declared tensor is still on meta and not among `bound`, 0 if none, -1 on error. */
-static int left_on_meta(PyObject *declared, const PtrSet *bound) {
-    Py_ssize_t pos = 0;
-    PyObject *name, *tensor;
-    while (PyDict_Next(declared, &pos, &name, &tensor)) {
-        if (ptrset_has(bound, tensor))
+/* 1 if a surveyed tensor is still on meta and not among `bound`, 0 if none, -1 on error. */
+static int left_on_meta(const Survey *sv, const PtrSet *bound) {
+    for (size_t i = 0; i <= sv->mask; i++) {
+        PyObject *tensor = sv->slots[i].tensor;
+        if (tensor == NULL || ptrset_has(bound, tensor))
             continue;
         PyObject *is_meta = PyObject_GetAttr(tensor, s_is_meta);
         if (is_meta == NULL)
@@ -202,11 +307,22 @@ static int left_on_meta(PyObject *declared, const PtrSet *bound) {
  * mostly share all but their last component or two ("model.layers.7.mlp." ...), which are
  * then the only dict lookups a row costs. */
 typedef struct {
-    const char *name;          /* the last name's UTF-8 (owned by its str, alive for the bind) */
+    const char *name;          /* the last name's UTF-8 (in the packed rows, alive for the bind) */
     Py_ssize_t depth;          /* its components resolved to submodules */
     Py_ssize_t end[MAX_DEPTH]; /* where component d ends (its '.') */
     PyObject *mod[MAX_DEPTH + 1];  /* mod[0]: the root; mod[d + 1]: component d's submodule (strong) */
 } Path;
+
+/* 0 where no error is set or the error is a name that is not UTF-8 (a lone surrogate passed
+ * through: no module names one so, and the Python path says where it goes), else -1. */
+static int not_utf8_or_error(void) {
+    if (!PyErr_Occurred())
+        return 0;
+    if (!PyErr_ExceptionMatches(PyExc_UnicodeDecodeError))
+        return -1;
+    PyErr_Clear();
+    return 0;
+}
 
 static void path_cut(Path *path, Py_ssize_t depth) {
     for (Py_ssize_t d = depth; d < path->depth; d++)
@@ -214,18 +330,11 @@ static void path_cut(Path *path, Py_ssize_t depth) {
     path->depth = depth;
 }
 
-/* The owner of dotted `name` (borrowed, via path) and its last component as a new str in *leaf:
- * 1 found, 0 no such submodule (or nested too deep, or not UTF-8), -1 error. */
-static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf) {
-    Py_ssize_t len, pos = 0, d = 0;
-    const char *s = PyUnicode_AsUTF8AndSize(name, &len);
+/* The owner of the dotted name `s` (borrowed, via path) and its last component as a new str in
+ * *leaf: 1 found, 0 no such submodule (or nested too deep, or not UTF-8), -1 error. */
+static int resolve(Path *path, const char *s, Py_ssize_t len, PyObject **owner, PyObject **leaf) {
+    Py_ssize_t pos = 0, d = 0;
     *owner = *leaf = NULL;
-    if (s == NULL) {  /* a lone surrogate: no submodule is named so, and the Python path says where */
-        if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
-            return -1;
-        PyErr_Clear();
-        return 0;
-    }
     while (d < path->depth) {  /* the components this name shares with the last one */
         Py_ssize_t e = path->end[d];
         if (e >= len || s[e] != '.' || memcmp(s + pos, path->name + pos, e - pos) != 0)
@@ -245,7 +354,7 @@ static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf
         Py_XDECREF(children);
         Py_XDECREF(part);
         if (child == NULL)
-            return PyErr_Occurred() ? -1 : 0;
+            return not_utf8_or_error();
         if (child == Py_None) {
             Py_DECREF(child);
             return 0;
@@ -256,7 +365,7 @@ static int resolve(Path *path, PyObject *name, PyObject **owner, PyObject **leaf
     }
     *leaf = PyUnicode_DecodeUTF8(s + pos, len - pos, NULL);
     if (*leaf == NULL)
-        return -1;
+        return not_utf8_or_error();
     *owner = path->mod[d];
     return 1;
 }
@@ -373,28 +482,53 @@ done:
     return rc;
 }
 
-/* bind(module, survey, names, form_index, offsets, forms, swap, before_swap=None) -> (tensors, extras) or None
+/* Packed rows (see packed_rows.py): offsets int64[n], form indices uint32[n], name ends uint32[n], names. */
+typedef struct {
+    const char *offsets, *forms, *ends, *names;
+    Py_ssize_t names_len;
+} Rows;
+
+static uint32_t row_u32(const char *column, Py_ssize_t i) {
+    uint32_t v;
+    memcpy(&v, column + 4 * i, 4);
+    return v;
+}
+
+/* Row i's name: where it starts in rows->names, and its length. */
+static Py_ssize_t row_name(const Rows *rows, Py_ssize_t i, Py_ssize_t *len) {
+    Py_ssize_t begin = i ? row_u32(rows->ends, i - 1) : 0;
+    *len = row_u32(rows->ends, i) - begin;
+    return begin;
+}
+
+/* bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) or None
  *
- * survey: what `survey(module)` returned, or None to survey here. forms: list of (as_strided of
- * the arena viewed as the form's dtype, shape tuple, stride tuple, itemsize, dtype). before_swap:
- * called once every row has checked out, before the first swap. extras: (owner, leaf, name) of
- * rows the module does not declare. */
+ * survey: what `survey(module)` returned, or None to survey here. rows: `count` packed rows, any
+ * bytes-like object. forms: list of (as_strided of the arena viewed as the form's dtype, shape
+ * tuple, stride tuple, itemsize, dtype). before_swap: called once every row has checked out,
+ * before the first swap. bound: per row, the tensor now bound (the module's own, or the view
+ * where the module does not declare the row); extras: (owner, leaf, row) of those rows. */
 static PyObject *bind(PyObject *self, PyObject *args) {
-    PyObject *module, *surveyed, *names, *form_index, *offsets, *forms, *swap, *before_swap = Py_None;
-    if (!PyArg_ParseTuple(args, "OOO!O!O!O!O|O", &module, &surveyed, &PyList_Type, &names, &PyList_Type, &form_index,
-                          &PyList_Type, &offsets, &PyList_Type, &forms, &swap, &before_swap))
+    PyObject *module, *surveyed, *forms, *swap, *before_swap = Py_None;
+    Py_buffer packed;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "OOy*nO!O|O", &module, &surveyed, &packed, &n, &PyList_Type, &forms, &swap,
+                          &before_swap))
         return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(names), nforms = PyList_GET_SIZE(forms);
-    if (PyList_GET_SIZE(form_index) != n || PyList_GET_SIZE(offsets) != n) {
-        PyErr_Format(PyExc_ValueError, "manifest columns differ in length: %zd names, %zd forms, %zd offsets", n,
-                     PyList_GET_SIZE(form_index), PyList_GET_SIZE(offsets));
+    Py_ssize_t nforms = PyList_GET_SIZE(forms);
+    if (n < 0 || packed.len / 16 < n) {
+        PyErr_Format(PyExc_ValueError, "packed rows: %zd bytes cannot hold %zd rows", packed.len, n);
+        PyBuffer_Release(&packed);
         return NULL;
     }
+    const char *data = packed.buf;
+    Rows rows = {data, data + 8 * n, data + 12 * n, data + 16 * n, packed.len - 16 * n};
     for (Py_ssize_t f = 0; f < nforms; f++) {
         PyObject *form = PyList_GET_ITEM(forms, f);
         if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
             PyErr_SetString(PyExc_TypeError, "forms must be (as_strided, shape, stride, itemsize, dtype) tuples");
+            PyBuffer_Release(&packed);
             return NULL;
         }
     }
@@ -402,66 +536,71 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         surveyed = survey(NULL, module);
     else
         Py_INCREF(surveyed);
-    if (surveyed == NULL)
+    if (surveyed == NULL) {
+        PyBuffer_Release(&packed);
         return NULL;
+    }
     Path path = {.name = NULL, .depth = 0, .mod = {Py_NewRef(module)}};
-    PtrSet bound = {NULL, 0};
-    PyObject *tensors = PyDict_New(), *extras = PyList_New(0), *result = NULL;
+    PtrSet bound_set = {NULL, 0};
+    PyObject *bound = NULL, *extras = PyList_New(0), *result = NULL;
     Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of), *target_row = PyMem_Malloc((n + 1) * sizeof *target_row);
     long long *start = PyMem_Malloc((n + 1) * sizeof *start);
     PyObject **views = PyMem_Calloc(n + 1, sizeof *views), **current_of = PyMem_Calloc(n + 1, sizeof *current_of);
-    PyObject *declared = NULL;
+    const Survey *sv = NULL;
     Py_ssize_t targets = 0;
     if (surveyed == Py_None)  /* nested too deep for the C walk */
         goto unclean;
-    if (!PyTuple_Check(surveyed) || PyTuple_GET_SIZE(surveyed) != 2 || !PyDict_Check(PyTuple_GET_ITEM(surveyed, 0))) {
+    if ((sv = PyCapsule_GetPointer(surveyed, SURVEY)) == NULL) {
         PyErr_SetString(PyExc_TypeError, "survey must be what _bindfast.survey returned");
         goto done;
     }
-    declared = PyTuple_GET_ITEM(surveyed, 0);
     if (form_of == NULL || target_row == NULL || start == NULL || views == NULL || current_of == NULL ||
-        ptrset_init(&bound, n + 1) < 0) {
+        ptrset_init(&bound_set, n + 1) < 0) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name = PyList_GET_ITEM(names, i), *fi = PyList_GET_ITEM(form_index, i);
-        PyObject *offset = PyList_GET_ITEM(offsets, i);
-        if (!PyUnicode_Check(name) || !PyLong_Check(fi) || !PyLong_Check(offset)) {
-            PyErr_Format(PyExc_TypeError, "manifest row %zd: name must be a str, form and offset ints", i);
+    for (Py_ssize_t i = 0, end = 0; i < n; i++) {
+        long long at;
+        memcpy(&at, rows.offsets + 8 * i, 8);
+        uint32_t f = row_u32(rows.forms, i), next_end = row_u32(rows.ends, i);
+        if (next_end < end || next_end > rows.names_len) {
+            PyErr_Format(PyExc_ValueError, "packed rows: row %zd's name ends at byte %u, outside %zd..%zd", i,
+                         next_end, end, rows.names_len);
             goto done;
         }
-        Py_ssize_t f = PyLong_AsSsize_t(fi);
-        long long at = PyLong_AsLongLong(offset);
-        if (PyErr_Occurred())
-            goto done;
-        if (f < 0 || f >= nforms) {
-            PyErr_Format(PyExc_ValueError, "tensor %R: form %zd is not one of the %zd forms", name, f, nforms);
+        end = next_end;
+        if (f >= (uint32_t)nforms) {
+            PyErr_Format(PyExc_ValueError, "row %zd: form %u is not one of the %zd forms", i, f, nforms);
             goto done;
         }
         long long itemsize = PyLong_AsLongLong(PyTuple_GET_ITEM(PyList_GET_ITEM(forms, f), 3));
         if (itemsize <= 0 || at < 0 || at % itemsize) {
-            PyErr_Format(PyExc_ValueError, "tensor %R at offset %lld is not aligned to its elements", name, at);
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "row %zd at offset %lld is not aligned to its elements", i, at);
             goto done;
         }
         form_of[i] = f;
         start[i] = at / itemsize;
     }
-    if (tensors == NULL || extras == NULL || make_views(forms, form_of, start, n, views) < 0)
+    if (extras == NULL || make_views(forms, form_of, start, n, views) < 0 || (bound = PyList_New(n)) == NULL)
         goto done;
+    for (Py_ssize_t i = 0; i < n; i++)
+        PyList_SET_ITEM(bound, i, Py_NewRef(views[i]));
 
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *name = PyList_GET_ITEM(names, i), *form = PyList_GET_ITEM(forms, form_of[i]);
-        if (PyDict_SetItem(tensors, name, views[i]) < 0)
-            goto done;
-        PyObject *current = PyDict_GetItemWithError(declared, name);  /* borrowed */
+        Py_ssize_t len, at = row_name(&rows, i, &len);
+        const char *name = rows.names + at;
+        PyObject *form = PyList_GET_ITEM(forms, form_of[i]);
+        PyObject *current = survey_find(sv, name, len);  /* borrowed */
         if (current == NULL) {  /* a row the module does not declare: a buffer of its owner, if free */
-            PyObject *owner = NULL, *leaf = NULL, *taken;
-            int found = PyErr_Occurred() ? -1 : resolve(&path, name, &owner, &leaf);
+            PyObject *owner = NULL, *leaf = NULL, *taken, *row = NULL, *extra = NULL;
+            int found = resolve(&path, name, len, &owner, &leaf);
             int place = found == 1 ? place_of(owner, leaf, &taken) : found == 0 ? 2 : -1;
-            PyObject *extra = place == 0 ? PyTuple_Pack(3, owner, leaf, name) : NULL;
+            if (place == 0 && (row = PyLong_FromSsize_t(i)) != NULL)
+                extra = PyTuple_Pack(3, owner, leaf, row);
             int failed = place < 0 || (place == 0 && (extra == NULL || PyList_Append(extras, extra) < 0));
             Py_XDECREF(extra);
+            Py_XDECREF(row);
             Py_XDECREF(leaf);
             if (failed)
                 goto done;
@@ -469,7 +608,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
                 goto unclean;
             continue;
         }
-        if (!ptrset_add(&bound, current))  /* a tied tensor the cache also holds under another name: bound once */
+        if (!ptrset_add(&bound_set, current))  /* a tied tensor the cache also holds under another name: bound once */
             continue;
         PyObject *shape = PyObject_GetAttr(current, s_shape);
         PyObject *dtype = shape ? PyObject_GetAttr(current, s_dtype) : NULL;
@@ -486,8 +625,8 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         target_row[targets++] = i;
     }
     /* Fewer tensors bound than the module holds: one may still be on meta (or a tie named once). */
-    if (targets != PyLong_AsSsize_t(PyTuple_GET_ITEM(surveyed, 1))) {
-        int left = PyErr_Occurred() ? -1 : left_on_meta(declared, &bound);
+    if (targets != sv->places) {
+        int left = left_on_meta(sv, &bound_set);
         if (left < 0)
             goto done;
         if (left)
@@ -502,13 +641,12 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     for (Py_ssize_t t = 0; t < targets; t++) {
         PyObject *pair[2] = {current_of[t], views[target_row[t]]};
         PyObject *ok = PyObject_Vectorcall(swap, pair, 2, NULL);
-        if (ok == NULL || PyDict_SetItem(tensors, PyList_GET_ITEM(names, target_row[t]), pair[0]) < 0) {
-            Py_XDECREF(ok);
+        if (ok == NULL)
             goto done;
-        }
         Py_DECREF(ok);
+        PyList_SetItem(bound, target_row[t], Py_NewRef(current_of[t]));
     }
-    result = PyTuple_Pack(2, tensors, extras);
+    result = PyTuple_Pack(2, bound, extras);
     goto done;
 unclean:  /* nothing swapped: the Python path names every problem */
     result = Py_NewRef(Py_None);
@@ -524,17 +662,18 @@ done:
     PyMem_Free(target_row);
     PyMem_Free(form_of);
     PyMem_Free(start);
-    PyMem_Free(bound.slots);
+    PyMem_Free(bound_set.slots);
     Py_DECREF(surveyed);
-    Py_XDECREF(tensors);
+    Py_XDECREF(bound);
     Py_XDECREF(extras);
+    PyBuffer_Release(&packed);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"survey", survey, METH_O, "survey(module) -> (tables, places): the tree's parameter and buffer dicts, and their tensors"},
+    {"survey", survey, METH_O, "survey(module) -> the tree's parameters and buffers by name (opaque), or None"},
     {"bind", bind, METH_VARARGS,
-     "bind(module, survey, names, form_index, offsets, forms, swap, before_swap=None) -> (tensors, extras) | None"},
+     "bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) | None"},
     {NULL, NULL, 0, NULL},
 };
 

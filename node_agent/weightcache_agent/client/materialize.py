@@ -139,7 +139,7 @@ def _bind(module: nn.Module, base: torch.Tensor, columns: dict[str, list], stric
             _swap(current, meta)  # the placeholder takes the cache's dtype; `meta` holds the model's
             retyped.append((current, meta))
         try:
-            tensors = bind_manifest(module, base, columns, strict)
+            tensors = dict(bind_manifest(module, base, columns, strict))
         except AttachError as e:
             if mismatched and not adjust.cast_small:
                 shown = ", ".join(mismatched[:_MAX_LISTED]) + (" ..." if len(mismatched) > _MAX_LISTED else "")

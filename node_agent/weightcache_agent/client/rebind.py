@@ -24,12 +24,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+from collections.abc import Mapping
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..load.dtypes import torch_dtype
+from ..packed_rows import PackedRows
 from ..errors import AttachError
 
 try:
@@ -69,27 +71,51 @@ def survey(module: nn.Module) -> object | None:
         return _bindfast.survey(module)
 
 
-def bind_manifest(module: nn.Module, base: torch.Tensor, columns: dict[str, list], strict: bool = True,
+def bind_manifest(module: nn.Module, base: torch.Tensor, rows: dict[str, list] | PackedRows, strict: bool = True,
                   native: bool = True, surveyed: object | None = None,
-                  before_swap: Callable[[], None] | None = None) -> dict[str, torch.Tensor]:
-    """Views of the uint8 arena `base` per manifest row (`ArenaLayout.to_manifest`), bound into
-    `module`; returns name -> the tensor now bound. `surveyed`: `survey(module)`, taken since
-    nothing changed the module. `before_swap` is called once every row has checked out, before
-    the module takes the first view (what it raises, nothing swapped). Malformed columns raise
-    ValueError, TypeError, KeyError or IndexError; a module that does not fit raises `AttachError`."""
+                  before_swap: Callable[[], None] | None = None) -> Mapping[str, torch.Tensor]:
+    """Views of the uint8 arena `base` per manifest row, bound into `module`; returns name -> the
+    tensor now bound. `rows`: columns (`ArenaLayout.to_manifest`) or packed (`PackedRows`).
+    `surveyed`: `survey(module)`, taken since nothing changed the module. `before_swap` is called
+    once every row has checked out, before the module takes the first view (what it raises,
+    nothing swapped). Malformed rows raise ValueError, TypeError, KeyError or IndexError; a
+    module that does not fit raises `AttachError`."""
     with gc_paused(), _untracked_views():
-        forms = _forms(base, columns["forms"])
+        forms = _forms(base, rows.forms if isinstance(rows, PackedRows) else rows["forms"])
         if native and _bindfast is not None:
-            bound = _bindfast.bind(module, surveyed, columns["name"], columns["form"], columns["offset"], forms, _swap,
-                                   before_swap)
-            if bound is not None:
-                tensors, extras = bound
-                for owner, leaf, name in extras:
-                    owner.register_buffer(leaf, tensors[name], persistent=True)
-                return tensors
+            packed = rows if isinstance(rows, PackedRows) else PackedRows.from_columns(rows)
+            done = _bindfast.bind(module, surveyed, packed.data, packed.count, forms, _swap, before_swap)
+            if done is not None:
+                bound, extras = done
+                for owner, leaf, row in extras:
+                    owner.register_buffer(leaf, bound[row], persistent=True)
+                return BoundTensors(packed, bound)
+        columns = rows.columns() if isinstance(rows, PackedRows) else rows
         tensors = _views(forms, columns)
         _rebind(module, tensors, strict, before_swap)
         return tensors
+
+
+class BoundTensors(Mapping[str, torch.Tensor]):
+    """Name -> bound tensor, from the packed rows and the tensors bound per row. The names are
+    made into strs on first use: an attach needs none of them."""
+
+    def __init__(self, rows: PackedRows, bound: list[torch.Tensor]):
+        self._rows, self._bound, self._by_name = rows, bound, None
+
+    def _table(self) -> dict[str, torch.Tensor]:
+        if self._by_name is None:
+            self._by_name = dict(zip(self._rows.names(), self._bound))
+        return self._by_name
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
 
 
 def manifest_views(base: torch.Tensor, columns: dict[str, list]) -> dict[str, torch.Tensor]:

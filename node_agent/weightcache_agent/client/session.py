@@ -32,6 +32,7 @@ from ..arena.cuda import CudaError
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
+from ..packed_rows import PackedRows
 from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
@@ -364,11 +365,29 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
 def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
                  request: dict[str, Any]) -> None:
     protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
-                                 "request": request})
+                                 "request": request, "manifest": "packed"})
 
 
 def _manifest_reply(conn: socketlib.socket) -> tuple[dict, list[int]]:
-    return protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS, max_depth=None)
+    """The agent's answer; a manifest's rows arrive packed (`PackedRows`) from an agent that packs
+    them, as JSON columns from one that does not."""
+    reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS, max_depth=None)
+    try:
+        rows = reply.get("tensors") if reply.get("type") == "manifest" else None
+        if isinstance(rows, dict) and "packed" in rows:
+            length = rows["packed"]
+            if not isinstance(length, int) or not 0 <= length <= protocol.MAX_REPLY_BYTES:
+                raise ProtocolError(f"a manifest announced {str(length)[:40]} bytes of packed rows")
+            try:
+                reply["tensors"] = PackedRows(rows.get("forms"), rows.get("count"),
+                                              protocol.recv_payload(conn, length))
+            except ValueError as e:
+                raise ProtocolError(f"malformed manifest: {e}") from None
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return reply, fds
 
 
 def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = False) -> torch.Tensor:
@@ -420,7 +439,9 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
             tensors = bind_manifest(module, base, manifest["tensors"], strict, surveyed=surveyed, before_swap=granted)
         else:
             granted()
-            tensors = bind_adjusted(module, base, manifest["tensors"], strict, adjust)
+            rows = manifest["tensors"]
+            tensors = bind_adjusted(module, base, rows.columns() if isinstance(rows, PackedRows) else rows, strict,
+                                    adjust)
         if phases is not None:
             phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
         return tensors

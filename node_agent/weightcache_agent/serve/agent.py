@@ -47,6 +47,7 @@ from ..arena.cpu import CpuArena, available_memory, new_cpu_arena
 from ..arena.devices import Device
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
+from ..packed_rows import PackedRows
 from ..spec import CacheSpec
 from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
                      read_private, write_private)
@@ -105,9 +106,9 @@ class Lease:
         return {"pid": self.pid, "uid": self.uid, "token": self.token_hash}
 
     def send(self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
-             encoded: dict[str, bytes] | None = None) -> None:
+             encoded: dict[str, bytes] | None = None, payload: bytes | None = None) -> None:
         with self.send_lock:
-            protocol.send_message(self.conn, message, fds, encoded)
+            protocol.send_message(self.conn, message, fds, encoded, payload)
 
 
 class Agent:
@@ -147,7 +148,8 @@ class Agent:
         self.error: str | None = None
         self.progress = LoadProgress()
         self.cache: LoadedCache | None = None
-        self._manifest = b"[]"
+        self._manifest = b"[]"  # the rows as JSON columns, for engines that do not ask for them packed
+        self._packed: tuple[bytes, bytes] = (b"{}", b"")  # packed rows: what the JSON says of them, the payload
         # engine fields per distinct request: every engine of a deployment sends the same one
         self._engine_fields: dict[str, dict[str, Any]] = {}
         self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
@@ -286,7 +288,10 @@ class Agent:
             if peer is not None:
                 peer.close()
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
-        self._manifest = json.dumps(self.cache.layout.to_manifest(), separators=(",", ":")).encode()
+        columns = self.cache.layout.to_manifest()
+        self._manifest = json.dumps(columns, separators=(",", ":")).encode()
+        packed = PackedRows.from_columns(columns)
+        self._packed = json.dumps(packed.header(), separators=(",", ":")).encode(), bytes(packed.data)
         if self.leases():  # engines that rejoined during the load hold the arena too
             with self._lock:
                 try:
@@ -714,7 +719,11 @@ class Agent:
             "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
-            lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
+            if message.get("manifest") == "packed":
+                header, payload = self._packed
+                lease.send(reply, [cache.arena.fd], encoded={"tensors": header}, payload=payload)
+            else:
+                lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
         except BaseException:
             self._end_lease(lease)
             raise
