@@ -22,7 +22,7 @@ import torch
 
 from weightcache_agent import CacheSpec, agent_status, attach, protocol
 from weightcache_agent.load.checkpoint import open_checkpoint
-from weightcache_agent.client.session import map_arena
+from weightcache_agent.client.session import _manifest_reply, _send_attach, map_arena
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.client.rebind import _bindfast, bind_manifest
@@ -61,9 +61,8 @@ def main() -> int:
             request = engine_request(CacheSpec(model=model))
             t1 = time.perf_counter()
             conn = protocol.connect(sock)
-            protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": "primary", "group": None,
-                                         "request": request})
-            reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+            _send_attach(conn, "primary", None, None, request)
+            reply, fds = _manifest_reply(conn)  # the rows packed, as attach receives them
             t2 = time.perf_counter()
             base = map_arena(reply, fds)
             t3 = time.perf_counter()
