@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, Callable
 
@@ -151,3 +153,30 @@ def maps_libtorch(pid: int) -> bool:
 def map_count(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
         return sum(1 for _ in f)
+
+
+class FakeAgent:
+    """A listener at `path` that treats each connection with `behaviour` (on its own thread)."""
+
+    def __init__(self, path: str, behaviour):
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(path)
+        self.listener.listen(8)
+        self.behaviour = behaviour
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    self.behaviour(conn)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.listener.close()

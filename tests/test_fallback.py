@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from abuse_fixtures import disk_tensors
+from agent_fixtures import FakeAgent
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.errors import WeightCacheError
 from weightcache_agent.load.checkpoint import open_checkpoint
@@ -44,33 +45,6 @@ def garbage(conn: socket.socket) -> None:
 def half_manifest(conn: socket.socket) -> None:
     conn.recv(1 << 16)
     protocol.send_message(conn, {"type": "manifest", "arenas": "none"})
-
-
-class FakeAgent:
-    """A listener at `path` that treats each connection with `behaviour` (on its own thread)."""
-
-    def __init__(self, path: str, behaviour):
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(8)
-        self.behaviour = behaviour
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    self.behaviour(conn)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.listener.close()
 
 
 @pytest.mark.parametrize("behaviour,reason", [

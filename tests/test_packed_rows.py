@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from array import array
 
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess, fd_count, wait_for
+from agent_fixtures import AgentProcess, FakeAgent, fd_count, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.arena.cpu import CpuArena
 from weightcache_agent.client.rebind import _bindfast, bind_manifest
@@ -97,7 +96,7 @@ def test_the_agent_packs_rows_only_when_asked_and_both_say_the_same(model, tmp_p
         assert len(replies[0]["name"]) == len(open_checkpoint(model).tensors)
 
 
-class HostileAgent:
+class HostileAgent(FakeAgent):
     """A real listener that answers every attach with a cpu manifest, the arena fd, and then
     whatever `payload(rows)` makes of the true packed rows of `model`."""
 
@@ -107,33 +106,21 @@ class HostileAgent:
         self.rows = PackedRows.from_columns(self.layout.to_manifest())
         self.arena = CpuArena(self.layout.size, name="hostile")
         self.payload = payload
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(path)
-        self.listener.listen(4)
-        threading.Thread(target=self._run, daemon=True).start()
+        super().__init__(path, self._answer)
 
-    def _run(self) -> None:
-        while True:
-            try:
-                conn, _ = self.listener.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
-                    header, tail = self.payload(self.rows)
-                    reply = {"type": "manifest", "role": "primary", "backend": "cpu", "fingerprint": "f" * 64,
-                             "fields": {}, "layout_hash": self.layout.layout_hash, "bytes": self.layout.nbytes,
-                             "arenas": [{"index": 0, "size": self.layout.size, "backend": "cpu"}], "tensors": header}
-                    protocol.send_message(conn, reply, [self.arena.fd])
-                    conn.sendall(tail)
-                    conn.shutdown(socket.SHUT_WR)  # nothing more: a frame cut short ends here
-                    conn.recv(1)  # until the engine hangs up
-                except OSError:
-                    pass
+    def _answer(self, conn: socket.socket) -> None:
+        protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+        header, tail = self.payload(self.rows)
+        reply = {"type": "manifest", "role": "primary", "backend": "cpu", "fingerprint": "f" * 64, "fields": {},
+                 "layout_hash": self.layout.layout_hash, "bytes": self.layout.nbytes,
+                 "arenas": [{"index": 0, "size": self.layout.size, "backend": "cpu"}], "tensors": header}
+        protocol.send_message(conn, reply, [self.arena.fd])
+        conn.sendall(tail)
+        conn.shutdown(socket.SHUT_WR)  # nothing more: a frame cut short ends here
+        conn.recv(1)  # until the engine hangs up
 
     def close(self) -> None:
-        self.listener.close()
+        super().close()
         self.arena.close()
 
 

@@ -5,9 +5,9 @@ allocation granularity; reserve + map + read-write access for loading; export th
 once. After loading, `seal()` drops the agent's own mapping, so not even the agent can
 scribble on served weights; the allocation lives on through its handle and the fd.
 
-Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ
-(on the process's granter thread, while the engine binds its views), and wrap the pointer as a uint8 torch
-tensor through `__cuda_array_interface__` -- no copy. The `_Mapping` object is what torch
+Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ (on
+the process's granter thread, while the engine binds its views), and wrap the pointer as a
+uint8 torch tensor through `__cuda_array_interface__` -- no copy. The `_Mapping` object is what torch
 keeps alive for as long as any view of the arena exists; when the last view goes, it
 unmaps and releases the imported handle.
 Memory stays valid after the exporting process exits (the handle counts), which is
@@ -180,7 +180,7 @@ class _Granter:
     """cuMemSetAccess costs ~1 ms for tens of GiB and lets go of the GIL while the driver works:
     on a thread, it overlaps the caller's bind (torch wraps a mapped range before its access is
     set). One thread per process, started with the first grant (an engine's `prepare()`), because
-    starting a thread per attach costs a first attach ~0.2 ms. It holds no mapping: a mapping
+    starting a thread per attach costs an attach ~0.1 ms. It holds no mapping: a mapping
     waits for its grant before it unmaps, wherever its last reference goes."""
 
     def __init__(self) -> None:

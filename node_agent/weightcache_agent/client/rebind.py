@@ -13,11 +13,12 @@ module does not declare (e.g. FP8 `weight_scale_inv`) become buffers of the owni
 submodule. Anything still on meta afterwards, or a shape/dtype that disagrees, is an
 `AttachError` listing every case; on such an error nothing has been swapped.
 
-`bind_manifest` is the attach path: it builds the views from manifest columns and binds
-them in one pass, in C where the optional `_bindfast` extension was built, falling back to
-the Python path for anything the C loop does not handle itself (errors, tensors it cannot
-place) -- same results either way. The C loop's walk of the module tree (`survey`) needs
-no manifest: `attach` takes it while the agent prepares its answer.
+`bind_manifest` is the attach path: it builds the views from the manifest's rows (packed,
+as the agent sends them, or JSON columns) and binds them in one pass, in C where the
+optional `_bindfast` extension was built, falling back to the Python path for anything the
+C loop does not handle itself (errors, tensors it cannot place) -- same results either way.
+The C loop's walk of the module tree (`survey`) needs no manifest: `attach` takes it while
+the agent prepares its answer.
 """
 from __future__ import annotations
 

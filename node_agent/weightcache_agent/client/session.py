@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -62,7 +62,8 @@ class Attachment:
     computed: Sequence[str] = ()  # what attach's `materialize` filled instead of binding (see client.materialize)
     cast: Sequence[str] = ()  # small tensors cast to the model's dtype (cast_small=True), "name: from -> to"
 
-    def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int, tensors: dict[str, torch.Tensor],
+    def __init__(self, *, source: str, fingerprint: str, fields: dict[str, Any], nbytes: int,
+                 tensors: Mapping[str, torch.Tensor],
                  seconds: float, layout_hash: str, role: str = "primary", group: str | None = None,
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
                  on_promote: Callable[["Attachment"], None] | None = None,
