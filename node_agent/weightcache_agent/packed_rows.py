@@ -68,3 +68,8 @@ class PackedRows:
     def header(self) -> dict[str, Any]:
         """What the manifest's JSON says of these rows; `data` follows as the frame's payload."""
         return {"forms": self.forms, "count": self.count, "packed": len(self.data)}
+
+
+def columns_of(rows: dict[str, list] | PackedRows) -> dict[str, list]:
+    """A manifest's rows as JSON columns (`ArenaLayout.to_manifest`), whichever way they came."""
+    return rows.columns() if isinstance(rows, PackedRows) else rows

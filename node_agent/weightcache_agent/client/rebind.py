@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..load.dtypes import torch_dtype
-from ..packed_rows import PackedRows
+from ..packed_rows import PackedRows, columns_of
 from ..errors import AttachError
 
 try:
@@ -91,7 +91,7 @@ def bind_manifest(module: nn.Module, base: torch.Tensor, rows: dict[str, list] |
                 for owner, leaf, row in extras:
                     owner.register_buffer(leaf, bound[row], persistent=True)
                 return BoundTensors(packed, bound)
-        columns = rows.columns() if isinstance(rows, PackedRows) else rows
+        columns = columns_of(rows)
         tensors = _views(forms, columns)
         _rebind(module, tensors, strict, before_swap)
         return tensors

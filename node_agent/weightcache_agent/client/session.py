@@ -32,7 +32,7 @@ from ..arena.cuda import CudaError
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
-from ..packed_rows import PackedRows
+from ..packed_rows import PackedRows, columns_of
 from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
@@ -430,7 +430,8 @@ def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
 
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
                copy_on_write: bool = False, adjust: Adjust | None = None,
-               phases: dict[str, float] | None = None, surveyed: object | None = None) -> dict[str, torch.Tensor]:
+               phases: dict[str, float] | None = None,
+               surveyed: object | None = None) -> Mapping[str, torch.Tensor]:
     """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
     t0 = time.perf_counter()
     base, granted = _map_arena_meanwhile(manifest, fds, copy_on_write)
@@ -440,9 +441,7 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
             tensors = bind_manifest(module, base, manifest["tensors"], strict, surveyed=surveyed, before_swap=granted)
         else:
             granted()
-            rows = manifest["tensors"]
-            tensors = bind_adjusted(module, base, rows.columns() if isinstance(rows, PackedRows) else rows, strict,
-                                    adjust)
+            tensors = bind_adjusted(module, base, columns_of(manifest["tensors"]), strict, adjust)
         if phases is not None:
             phases.update(map=t1 - t0, bind=time.perf_counter() - t1)
         return tensors
