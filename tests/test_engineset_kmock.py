@@ -253,8 +253,12 @@ async def test_bad_enginesets_get_a_condition_and_others_keep_going(cluster: Kub
                 assert not any(p[0].plural == "pods" and p[2].startswith(f"{name}-") for p in kmock.objects)
 
             # Still bad on later polls: no repeated status writes, no retry storm (once the
-            # cold cache's own status, quoted in its EngineSet's message, has settled).
-            await asyncio.sleep(4 * POLL)
+            # cold cache's own status, quoted in its EngineSet's message, has settled there).
+            cold = await wait_for(lambda: condition(get_object(kmock, WC_RESOURCE, "default", "cold"), "Ready"),
+                                  what="the cold cache's Ready condition")
+            await wait_for(lambda: f"({cold['message']})" in condition(es_of(kmock, "notready"), "Degraded")["message"],
+                           what="notready quoting the cold cache's status")
+            await asyncio.sleep(2 * POLL)
             writes = {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad}
             await asyncio.sleep(4 * POLL)
             assert {n: len(requests_of(kmock, "PATCH", "enginesets", name=n, subresource="status")) for n in bad} == writes
