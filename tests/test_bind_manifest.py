@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import sysconfig
+import weakref
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from torch import nn
 
 from weightcache_agent.errors import AttachError
 from weightcache_agent.load.layout import lay_out
+from weightcache_agent.client import rebind
 from weightcache_agent.client.rebind import _bindfast, bind_manifest, survey
 
 
@@ -122,9 +124,14 @@ def test_malformed_columns_are_refused(native):
     for broken in ({**columns, "form": [len(columns["forms"])] * len(columns["name"])},
                    {**columns, "offset": [o + 1 for o in columns["offset"]]},
                    {**columns, "offset": columns["offset"][:-1]},
-                   {**columns, "offset": [2 ** 40] * len(columns["name"])}):
+                   {**columns, "offset": [2 ** 40] * len(columns["name"])},
+                   {**columns, "forms": [[d, shape, [-1] * len(stride)] for d, shape, stride in columns["forms"]]},
+                   {**columns, "forms": [[d, shape, stride + [1]] for d, shape, stride in columns["forms"]]},
+                   {**columns, "forms": [[d, shape + [2 ** 63], stride + [1]] for d, shape, stride in columns["forms"]]}):
+        m = meta_model()
         with pytest.raises((ValueError, IndexError, TypeError, RuntimeError)):
-            bind_manifest(meta_model(), base, broken, native=native)
+            bind_manifest(m, base, broken, native=native)
+        assert nothing_swapped(m)
 
 
 def test_rows_in_runs_and_out_of_them_each_get_their_own_bytes(native):
@@ -136,6 +143,28 @@ def test_rows_in_runs_and_out_of_them_each_get_their_own_bytes(native):
     for name, t in m.state_dict().items():
         assert torch.equal(t, values["embed.weight" if name == "head.weight" else name]), name
     assert len({t.data_ptr() for t in m.state_dict().values()}) == len(values)
+
+
+def test_the_c_bind_drops_each_runs_views_before_it_makes_the_next(monkeypatch):
+    """A bind makes and swaps a run of views at a time, so later runs reuse the memory earlier
+    ones held (views made all at once cost a first attach a page fault per ~10 rows)."""
+    if _bindfast is None:
+        pytest.skip("C extension not built")
+    base, columns, values = arena(layers=40)
+    m = meta_model(layers=40)
+    husks: list[weakref.ref] = []
+    alive: list[int] = []
+
+    def swap(current: torch.Tensor, view: torch.Tensor) -> None:
+        alive.append(sum(h() is not None for h in husks))
+        husks.append(weakref.ref(view))
+        rebind.torch._C._swap_tensor_impl(current, view)
+
+    monkeypatch.setattr(rebind, "_swap", swap)
+    bind_manifest(m, base, columns)
+    assert len(alive) == len(values) == 1 + 40 * 4
+    assert max(alive) <= 40, alive  # one run: the same tensor of every layer
+    assert all(torch.equal(t, values["embed.weight" if n == "head.weight" else n]) for n, t in m.state_dict().items())
 
 
 def test_a_run_that_reaches_past_the_arena_is_refused_and_swaps_nothing(native):

@@ -4,16 +4,16 @@
  *   survey  one walk of the module tree, every parameter and buffer by qualified name (UTF-8
  *           bytes in a hash table: no str is made); it needs the module alone, so an engine
  *           takes it while the agent prepares its answer;
- *   bind    reads the packed rows (`packed_rows`) where they lie; one strided view per row
- *           (made a run of like rows at a time, see `make_views`), each name looked up in the
- *           survey and checked for shape and dtype (a row the module does not declare is
- *           resolved from the root, see `resolve`, and becomes a buffer of its owner), then --
- *           only once every row checked out, and `before_swap` returned -- each view's storage
- *           swapped into that tensor.
+ *   bind    reads the packed rows (`packed_rows`) where they lie; checks every row first -- its
+ *           name looked up in the survey, its shape and dtype, its view inside the arena (a
+ *           row the module does not declare is resolved from the root, see `resolve`, and
+ *           becomes a buffer of its owner) -- then, once `before_swap` returned, makes one
+ *           strided view per row a run of like rows at a time (see `make_views`) and swaps
+ *           each view's storage into that tensor.
  * Anything unusual (a row with no owner, a shape or dtype that disagrees, a tensor left on
- * meta, a name that collides with an attribute, a tree nested deeper than MAX_DEPTH) returns
- * None having changed nothing, and the Python path then produces the error that names every
- * case. Malformed rows raise ValueError.
+ * meta, a view reaching past the arena, a name that collides with an attribute, a tree nested
+ * deeper than MAX_DEPTH) returns None having changed nothing, and the Python path then
+ * produces the error that names every case. Malformed rows raise ValueError.
  *
  * Plain CPython API: torch is reached only through the Python objects handed in (the bound
  * `as_strided` of the arena per form, `torch._C._swap_tensor_impl`), so one build works
@@ -421,18 +421,26 @@ static PyObject *strided(PyObject *form, long long start, Py_ssize_t count, long
 
 #define MAX_PERIOD 16  /* tensors of one form in one layer, at most, for runs to be found */
 
-/* A view per row into views[], made a run at a time: rows of one form whose starts step evenly
+/* Where make_views hands each view: `take(ctx, row, view)` (borrowed), -1 on error. */
+typedef int (*TakeView)(void *ctx, Py_ssize_t row, PyObject *view);
+
+/* A view per row, handed to `take` a run at a time: rows of one form whose starts step evenly
  * -- the same tensor of every layer, one of `period` rows of that form per layer -- come out of
  * one view of the whole run, unbound along its first dimension. That is one torch call per
- * run, where a view each from `as_strided` costs twice what unbinding one does. A run torch
- * refuses (it reaches past the arena) is made row by row, so the error is the row's own. */
+ * run, where a view each from `as_strided` costs twice what unbinding one does. A run's views
+ * are dropped before the next run is made, so the next run's tensors take the memory they
+ * (and whatever `take` released) held: a bind touches about one run's worth of fresh memory,
+ * where views made all at once cost a page fault per ~10 rows, and dearly in a process whose
+ * host just streamed a checkpoint through its page cache. A run torch refuses is made row by
+ * row, so the error is the row's own. */
 static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long long *start, Py_ssize_t n,
-                      PyObject **views) {
+                      TakeView take, void *ctx) {
     Py_ssize_t nforms = PyList_GET_SIZE(forms);
     Py_ssize_t *next = PyMem_Calloc(nforms + 1, sizeof *next), *order = PyMem_Malloc((n + 1) * sizeof *order);
+    char *made = PyMem_Calloc(n + 1, 1);
     PyObject *parts = NULL;
     int rc = -1;
-    if (next == NULL || order == NULL) {
+    if (next == NULL || order == NULL || made == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -442,17 +450,17 @@ static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long lon
         next[f + 1] += next[f];
     for (Py_ssize_t i = 0; i < n; i++)
         order[next[form_of[i]]++] = i;
-    /* next[f] is now where form f's rows end in `order`; a row is done once views[row] is set */
+    /* next[f] is now where form f's rows end in `order` */
     for (Py_ssize_t k = 0, f = 0; k < n; k++) {
         while (next[f] <= k)
             f++;
         Py_ssize_t row = order[k], period = 0, length = 1;
-        if (views[row] != NULL)
+        if (made[row])
             continue;
         for (Py_ssize_t p = 1; p <= MAX_PERIOD && k + p < next[f]; p++) {
             long long step = start[order[k + p]] - start[row];
             Py_ssize_t len = 1;
-            while (step >= 0 && k + len * p < next[f] && views[order[k + len * p]] == NULL &&
+            while (step >= 0 && k + len * p < next[f] && !made[order[k + len * p]] &&
                    start[order[k + len * p]] - start[order[k + (len - 1) * p]] == step)
                 len++;
             if (len > length)
@@ -464,21 +472,30 @@ static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long lon
             parts = run ? PyObject_CallMethod(run, "unbind", NULL) : NULL;
             Py_XDECREF(run);
             if (parts != NULL && PyTuple_Check(parts) && PyTuple_GET_SIZE(parts) == length) {
-                for (Py_ssize_t t = 0; t < length; t++)
-                    views[order[k + t * period]] = Py_NewRef(PyTuple_GET_ITEM(parts, t));
+                for (Py_ssize_t t = 0; t < length; t++) {
+                    made[order[k + t * period]] = 1;
+                    if (take(ctx, order[k + t * period], PyTuple_GET_ITEM(parts, t)) < 0)
+                        goto done;
+                }
                 Py_CLEAR(parts);
                 continue;
             }
             Py_CLEAR(parts);
             PyErr_Clear();
         }
-        if ((views[row] = strided(form, start[row], 0, 0)) == NULL)
+        PyObject *view = strided(form, start[row], 0, 0);
+        made[row] = 1;
+        int taken = view ? take(ctx, row, view) : -1;
+        Py_XDECREF(view);
+        if (taken < 0)
             goto done;
     }
     rc = 0;
 done:
+    Py_XDECREF(parts);
     PyMem_Free(next);
     PyMem_Free(order);
+    PyMem_Free(made);
     return rc;
 }
 
@@ -501,13 +518,38 @@ static Py_ssize_t row_name(const Rows *rows, Py_ssize_t i, Py_ssize_t *len) {
     return begin;
 }
 
+/* What make_views hands each view to, in a bind: the row's tensor takes the view's storage,
+ * and the row is bound to that tensor; a row with no tensor of its own (a tie named again, a
+ * buffer to be) is bound to the view. */
+typedef struct {
+    PyObject *swap, *bound, **current_of;
+} Binding;
+
+static int bind_view(void *ctx, Py_ssize_t row, PyObject *view) {
+    Binding *b = ctx;
+    PyObject *current = b->current_of[row];
+    if (current != NULL) {
+        PyObject *pair[2] = {current, view};
+        PyObject *ok = PyObject_Vectorcall(b->swap, pair, 2, NULL);
+        if (ok == NULL)
+            return -1;
+        Py_DECREF(ok);
+    }
+    PyList_SET_ITEM(b->bound, row, Py_NewRef(current ? current : view));
+    return 0;
+}
+
 /* bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) or None
  *
  * survey: what `survey(module)` returned, or None to survey here. rows: `count` packed rows, any
  * bytes-like object. forms: list of (as_strided of the arena viewed as the form's dtype, shape
- * tuple, stride tuple, itemsize, dtype). before_swap: called once every row has checked out,
- * before the first swap. bound: per row, the tensor now bound (the module's own, or the view
- * where the module does not declare the row); extras: (owner, leaf, row) of those rows. */
+ * tuple, stride tuple, itemsize, dtype, extent, limit): a tensor of the form spans `extent`
+ * elements, and the arena holds `limit` of them. before_swap: called once every row has
+ * checked out, before the first swap. bound: per row, the tensor now bound (the module's own,
+ * or the view where the module does not declare the row); extras: (owner, leaf, row) of those
+ * rows. Every row is checked -- its tensor, shape, dtype, and that its view lies inside the
+ * arena -- before the first view is made, so views and swaps then go a run at a time and
+ * nothing after the checks can fail but memory running out. */
 static PyObject *bind(PyObject *self, PyObject *args) {
     PyObject *module, *surveyed, *forms, *swap, *before_swap = Py_None;
     Py_buffer packed;
@@ -523,11 +565,29 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     }
     const char *data = packed.buf;
     Rows rows = {data, data + 8 * n, data + 12 * n, data + 16 * n, packed.len - 16 * n};
+    long long *extent = PyMem_Malloc((nforms + 1) * sizeof *extent), *limit = PyMem_Malloc((nforms + 1) * sizeof *limit);
+    if (extent == NULL || limit == NULL) {
+        PyMem_Free(extent);
+        PyMem_Free(limit);
+        PyBuffer_Release(&packed);
+        return PyErr_NoMemory();
+    }
     for (Py_ssize_t f = 0; f < nforms; f++) {
         PyObject *form = PyList_GET_ITEM(forms, f);
-        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
+        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
-            PyErr_SetString(PyExc_TypeError, "forms must be (as_strided, shape, stride, itemsize, dtype) tuples");
+            PyErr_SetString(PyExc_TypeError,
+                            "forms must be (as_strided, shape, stride, itemsize, dtype, extent, limit) tuples");
+            PyMem_Free(extent);
+            PyMem_Free(limit);
+            PyBuffer_Release(&packed);
+            return NULL;
+        }
+        extent[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 5));
+        limit[f] = extent[f] == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(form, 6));
+        if (PyErr_Occurred()) {
+            PyMem_Free(extent);
+            PyMem_Free(limit);
             PyBuffer_Release(&packed);
             return NULL;
         }
@@ -537,15 +597,17 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     else
         Py_INCREF(surveyed);
     if (surveyed == NULL) {
+        PyMem_Free(extent);
+        PyMem_Free(limit);
         PyBuffer_Release(&packed);
         return NULL;
     }
     Path path = {.name = NULL, .depth = 0, .mod = {Py_NewRef(module)}};
     PtrSet bound_set = {NULL, 0};
-    PyObject *bound = NULL, *extras = PyList_New(0), *result = NULL;
-    Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of), *target_row = PyMem_Malloc((n + 1) * sizeof *target_row);
+    PyObject *extras = PyList_New(0), *result = NULL;
+    Binding binding = {swap, NULL, PyMem_Calloc(n + 1, sizeof(PyObject *))};
+    Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of);
     long long *start = PyMem_Malloc((n + 1) * sizeof *start);
-    PyObject **views = PyMem_Calloc(n + 1, sizeof *views), **current_of = PyMem_Calloc(n + 1, sizeof *current_of);
     const Survey *sv = NULL;
     Py_ssize_t targets = 0;
     if (surveyed == Py_None)  /* nested too deep for the C walk */
@@ -554,9 +616,10 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_TypeError, "survey must be what _bindfast.survey returned");
         goto done;
     }
-    if (form_of == NULL || target_row == NULL || start == NULL || views == NULL || current_of == NULL ||
+    if (extras == NULL || form_of == NULL || start == NULL || binding.current_of == NULL ||
         ptrset_init(&bound_set, n + 1) < 0) {
-        PyErr_NoMemory();
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0, end = 0; i < n; i++) {
@@ -581,11 +644,9 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         }
         form_of[i] = f;
         start[i] = at / itemsize;
+        if (start[i] > limit[f] || extent[f] > limit[f] - start[i])  /* torch says why */
+            goto unclean;
     }
-    if (extras == NULL || make_views(forms, form_of, start, n, views) < 0 || (bound = PyList_New(n)) == NULL)
-        goto done;
-    for (Py_ssize_t i = 0; i < n; i++)
-        PyList_SET_ITEM(bound, i, Py_NewRef(views[i]));
 
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t len, at = row_name(&rows, i, &len);
@@ -621,8 +682,8 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             goto done;
         if (!same)
             goto unclean;
-        current_of[targets] = Py_NewRef(current);
-        target_row[targets++] = i;
+        binding.current_of[i] = Py_NewRef(current);
+        targets++;
     }
     /* Fewer tensors bound than the module holds: one may still be on meta (or a tie named once). */
     if (targets != sv->places) {
@@ -638,33 +699,25 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             goto done;
         Py_DECREF(ok);
     }
-    for (Py_ssize_t t = 0; t < targets; t++) {
-        PyObject *pair[2] = {current_of[t], views[target_row[t]]};
-        PyObject *ok = PyObject_Vectorcall(swap, pair, 2, NULL);
-        if (ok == NULL)
-            goto done;
-        Py_DECREF(ok);
-        PyList_SetItem(bound, target_row[t], Py_NewRef(current_of[t]));
-    }
-    result = PyTuple_Pack(2, bound, extras);
+    if ((binding.bound = PyList_New(n)) == NULL || make_views(forms, form_of, start, n, bind_view, &binding) < 0)
+        goto done;
+    result = PyTuple_Pack(2, binding.bound, extras);
     goto done;
 unclean:  /* nothing swapped: the Python path names every problem */
     result = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t i = 0; views != NULL && i < n; i++)
-        Py_XDECREF(views[i]);
-    for (Py_ssize_t t = 0; t < targets; t++)
-        Py_DECREF(current_of[t]);
+    for (Py_ssize_t i = 0; binding.current_of != NULL && i < n; i++)
+        Py_XDECREF(binding.current_of[i]);
     path_cut(&path, 0);
     Py_DECREF(path.mod[0]);
-    PyMem_Free(views);
-    PyMem_Free(current_of);
-    PyMem_Free(target_row);
+    PyMem_Free(binding.current_of);
     PyMem_Free(form_of);
     PyMem_Free(start);
+    PyMem_Free(extent);
+    PyMem_Free(limit);
     PyMem_Free(bound_set.slots);
     Py_DECREF(surveyed);
-    Py_XDECREF(bound);
+    Py_XDECREF(binding.bound);
     Py_XDECREF(extras);
     PyBuffer_Release(&packed);
     return result;

@@ -127,7 +127,7 @@ def manifest_views(base: torch.Tensor, columns: dict[str, list]) -> dict[str, to
 def _views(forms: list[tuple], columns: dict[str, list]) -> dict[str, torch.Tensor]:
     views = {}
     for name, form, offset in zip(columns["name"], columns["form"], columns["offset"], strict=True):
-        as_strided, shape, stride, itemsize, _ = forms[form]
+        as_strided, shape, stride, itemsize = forms[form][:4]
         start, misaligned = divmod(offset, itemsize)
         if misaligned:
             raise ValueError(f"tensor {name!r} at offset {offset} is not aligned to its elements")
@@ -136,15 +136,24 @@ def _views(forms: list[tuple], columns: dict[str, list]) -> dict[str, torch.Tens
 
 
 def _forms(base: torch.Tensor, forms: list) -> list[tuple]:
-    """(as_strided of `base` viewed as the form's dtype, shape, stride, itemsize, dtype) per form.
-    as_strided itself refuses a view that reaches past the arena."""
+    """(as_strided of `base` viewed as the form's dtype, shape, stride, itemsize, dtype, extent,
+    limit) per form: a tensor of the form spans `extent` elements, the arena holds `limit`. The
+    C bind checks each row against these before it makes any view; as_strided itself refuses
+    a view that reaches past the arena."""
     typed: dict[str, torch.Tensor] = {}
     out = []
     for dtype_key, shape, stride in forms:
         whole = typed.get(dtype_key)
         if whole is None:
             whole = typed[dtype_key] = base.view(torch_dtype(dtype_key))
-        out.append((whole.as_strided, tuple(shape), tuple(stride), whole.element_size(), whole.dtype))
+        shape, stride, limit = tuple(shape), tuple(stride), whole.numel()
+        if len(shape) != len(stride) or not all(0 <= v < 2**62 for v in shape + stride):
+            extent = limit + 1  # no row fits: the Python path has torch name the problem
+        elif 0 in shape:
+            extent = 0
+        else:
+            extent = min(1 + sum((d - 1) * s for d, s in zip(shape, stride)), limit + 1)
+        out.append((whole.as_strided, shape, stride, whole.element_size(), whole.dtype, extent, limit))
     return out
 
 
