@@ -8,9 +8,9 @@
  * the cause and the fixes to stderr. Either way it then puts the previous handler back and
  * returns: the faulting instruction runs again and the previous handler (faulthandler's
  * Python traceback, then the default action) takes over, so the process still dies with
- * SIGSEGV as before.
+ * SIGSEGV as before. Other threads faulting in a watched range meanwhile wait for that.
  *
- * Only async-signal-safe calls in the handler: write(2) and sigaction(2). The ranges are a
+ * Only async-signal-safe calls in the handler: write(2), sigaction(2) and pause(2). The ranges are a
  * fixed array written before the mapping is handed to Python, read with relaxed atomics.
  */
 #define PY_SSIZE_T_CLEAN
@@ -44,7 +44,13 @@ static int watched(uintptr_t address) {
 
 static void on_fault(int signum, siginfo_t *info, void *context) {
     (void)context;
-    if (info != NULL && watched((uintptr_t)info->si_addr) && __atomic_exchange_n(&reported, 1, __ATOMIC_ACQ_REL) == 0) {
+    if (info != NULL && watched((uintptr_t)info->si_addr)) {
+        /* Another thread of the same write got here first: it reports, then the previous
+         * handler ends the process. Handing this fault on too would race it there, and the
+         * default action taken by one thread cuts short what faulthandler writes in the other. */
+        if (__atomic_exchange_n(&reported, 1, __ATOMIC_ACQ_REL) != 0)
+            for (;;)
+                pause();
         ssize_t ignored = write(STDERR_FILENO, MESSAGE, sizeof(MESSAGE) - 1);
         (void)ignored;
     }
