@@ -375,8 +375,8 @@ def map_readonly_cuda(fd: int, size: int, uuid: str) -> "torch.Tensor":
 
 def map_readonly_cuda_meanwhile(fd: int, size: int, uuid: str) -> "tuple[torch.Tensor, Callable[[], None]]":
     """`map_readonly_cuda`, with the read access granted on a thread while the caller goes on (an
-    engine builds its views meanwhile). Call the returned function before anything reads the
-    memory: it waits, and raises `CudaError` where the driver refused."""
+    engine checks its manifest rows against its module meanwhile). Call the returned function
+    before anything reads the memory: it waits, and raises `CudaError` where the driver refused."""
     from .devices import local_ordinal
 
     cu = driver()

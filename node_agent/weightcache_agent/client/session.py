@@ -401,7 +401,7 @@ def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = Fa
 def _map_arena_meanwhile(manifest: dict[str, Any], fds: list[int],
                          copy_on_write: bool) -> tuple[torch.Tensor, Callable[[], None]]:
     """`map_arena`, and what to call before anything reads the arena (the cuda backend grants
-    access on a thread while the views are bound)."""
+    access on a thread while the rows are checked)."""
     arena = manifest["arenas"][0]
     backend = manifest.get("backend", "cpu")
     if backend == "cpu":
