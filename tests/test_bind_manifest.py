@@ -127,7 +127,9 @@ def test_malformed_columns_are_refused(native):
                    {**columns, "offset": [2 ** 40] * len(columns["name"])},
                    {**columns, "forms": [[d, shape, [-1] * len(stride)] for d, shape, stride in columns["forms"]]},
                    {**columns, "forms": [[d, shape, stride + [1]] for d, shape, stride in columns["forms"]]},
-                   {**columns, "forms": [[d, shape + [2 ** 63], stride + [1]] for d, shape, stride in columns["forms"]]}):
+                   {**columns, "forms": [[d, shape + [2 ** 63], stride + [1]] for d, shape, stride in columns["forms"]]},
+                   {**columns, "forms": columns["forms"][:-1] + [[d, [float(x) for x in shape], stride]
+                                                                 for d, shape, stride in columns["forms"][-1:]]}):
         m = meta_model()
         with pytest.raises((ValueError, IndexError, TypeError, RuntimeError)):
             bind_manifest(m, base, broken, native=native)

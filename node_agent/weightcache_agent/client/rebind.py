@@ -147,7 +147,7 @@ def _forms(base: torch.Tensor, forms: list) -> list[tuple]:
         if whole is None:
             whole = typed[dtype_key] = base.view(torch_dtype(dtype_key))
         shape, stride, limit = tuple(shape), tuple(stride), whole.numel()
-        if len(shape) != len(stride) or not all(0 <= v < 2**62 for v in shape + stride):
+        if len(shape) != len(stride) or not all(type(v) is int and 0 <= v < 2**62 for v in shape + stride):
             extent = limit + 1  # no row fits: the Python path has torch name the problem
         elif 0 in shape:
             extent = 0
