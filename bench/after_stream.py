@@ -32,6 +32,7 @@ sys.path.insert(0, PKG)
 
 from agent_process import AgentProcess  # noqa: E402
 from page_cache import drop_cache, raw_read  # noqa: E402
+from report import report  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
 
 ENGINE = r"""
@@ -144,13 +145,7 @@ def main() -> int:
                      f"{median(name, 0, 'minor'):.0f} / {median(name, 0, 'major'):.0f} | "
                      f"{median(name, 1, 'first'):.2f} ms | {later:.2f} ms | "
                      f"{median(name, 0, 'first') / median(base, 0, 'first'):.2f}x |")
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "after_stream.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "after_stream.json"), "w") as f:
-        json.dump(runs, f, indent=1)
+    report(args.out, "after_stream", lines, runs)
     return 0
 
 

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from report import report
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NODE_AGENT = os.path.join(HERE, "..", "node_agent")
 
@@ -86,13 +88,7 @@ def main() -> int:
         lines.append(f"| {v} | {med[v]['import']:.2f} s | {med[v]['context']:.2f} s | "
                      f"{', '.join('%.2f' % r['context'] for r in rs)} | "
                      f"{med[v]['context'] / med['after']['context']:.2f}x after |")
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "engine_start.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "engine_start.json"), "w") as f:
-        json.dump({"flags": flags, "runs": runs}, f, indent=1)
+    report(args.out, "engine_start", lines, {"flags": flags, "runs": runs})
     return 0
 
 

@@ -36,6 +36,7 @@ sys.path.insert(0, PKG)
 
 from agent_process import AgentProcess  # noqa: E402  (torch-free, as this module)
 from page_cache import between_raw_reads  # noqa: E402
+from report import bars_line, report  # noqa: E402
 from weightcache_agent import agent_status  # noqa: E402  (torch-free)
 
 ENGINE = r"""
@@ -279,14 +280,7 @@ def main() -> int:
     lines = [f"{args.backend}, {result['tensors']} tensors, {result['bytes'] / 2**30:.2f} GiB attached", "",
              "| what (fresh processes, from outside) | time | note |", "| --- | ---: | --- |"]
     lines += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    lines += ["", "bars: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in bars.items())]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"fresh_process_{args.backend}.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, f"fresh_process_{args.backend}.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    report(args.out, f"fresh_process_{args.backend}", lines + ["", bars_line(bars)], result)
     return 0
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
 
 from agent_process import AgentProcess  # noqa: E402
 from page_cache import between_raw_reads  # noqa: E402
+from report import bars_line, report  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module  # noqa: E402
 
@@ -254,14 +255,7 @@ def main() -> int:
            if args.cold else {}),
         "restart -> serving <= 1 s, 0 bytes read": ro["adopted"] and ro["wall_seconds"] <= 1.0 and ro["bytes_read"] == 0,
     }
-    lines += ["", "bars: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in bars.items())]
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    report(args.out, "gpu_bench", lines + ["", bars_line(bars)], result)
     return 0
 
 

@@ -39,6 +39,7 @@ sys.path.insert(0, HERE)
 
 from gpu_bench import make_checkpoint  # noqa: E402
 from page_cache import drop_cache  # noqa: E402
+from report import bars_line, report  # noqa: E402
 from tcp_rendezvous import rendezvous  # noqa: E402
 from weightcache_agent import CacheSpec, agent_status, protocol  # noqa: E402
 from weightcache_agent.client.session import map_arena  # noqa: E402
@@ -115,9 +116,9 @@ def first_token(rank0, started: float, timeout: float = 300, interval: float = 0
     deadline = time.perf_counter() + timeout
     while time.perf_counter() < deadline:
         try:
-            code, body = rank0.generate(PROMPT, 1)
+            code, _ = rank0.generate(PROMPT, 1)
         except OSError:
-            code, body = 0, {}
+            code = 0
         if code == 200:
             return time.perf_counter() - started
         if not rank0.alive():
@@ -415,14 +416,7 @@ def main() -> int:
     lines = [f"{size / 2**30:.1f} GiB in {len(ck.tensors)} tensors, {result['gpus']}x {result['gpu']}, "
              f"torch {result['torch']}", "", "| step | time | ratio |", "| --- | ---: | ---: |"]
     lines += [f"| {x} | {y} | {z} |" for x, y, z in rows]
-    lines += ["", "bars: " + ", ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in bars.items())] + phase_lines
-    text = "\n".join(lines)
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "tp_bench.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(args.out, "tp_bench.json"), "w") as f:
-        json.dump(result, f, indent=1)
+    report(args.out, "tp_bench", lines + ["", bars_line(bars)] + phase_lines, result)
     return 0
 
 
