@@ -6,10 +6,10 @@ once. After loading, `seal()` drops the agent's own mapping, so not even the age
 scribble on served weights; the allocation lives on through its handle and the fd.
 
 Engine side (`map_readonly_cuda`): import the fd, reserve, map, set access PROT_READ (on
-the process's granter thread, while the engine binds its views), and wrap the pointer as a
-uint8 torch tensor through `__cuda_array_interface__` -- no copy. The `_Mapping` object is what torch
-keeps alive for as long as any view of the arena exists; when the last view goes, it
-unmaps and releases the imported handle.
+the process's granter thread, while the engine checks its manifest rows), and wrap the
+pointer as a uint8 torch tensor through `__cuda_array_interface__` -- no copy. The
+`_Mapping` object is what torch keeps alive for as long as any view of the arena exists;
+when the last view goes, it unmaps and releases the imported handle.
 Memory stays valid after the exporting process exits (the handle counts), which is
 why an engine keeps serving when the agent dies, and why an engine holding the fd can
 hand the arena back to a restarted agent.

@@ -421,20 +421,37 @@ static PyObject *strided(PyObject *form, long long start, Py_ssize_t count, long
 
 #define MAX_PERIOD 16  /* tensors of one form in one layer, at most, for runs to be found */
 
-/* Where make_views hands each view: `take(ctx, row, view)` (borrowed), -1 on error. */
-typedef int (*TakeView)(void *ctx, Py_ssize_t row, PyObject *view);
+/* Where make_views hands each view (borrowed): the row's tensor takes the view's storage,
+ * and the row is bound to that tensor; a row with no tensor of its own (a tie named again, a
+ * buffer to be) is bound to the view. */
+typedef struct {
+    PyObject *swap, *bound, **current_of;
+} Binding;
 
-/* A view per row, handed to `take` a run at a time: rows of one form whose starts step evenly
- * -- the same tensor of every layer, one of `period` rows of that form per layer -- come out of
- * one view of the whole run, unbound along its first dimension. That is one torch call per
- * run, where a view each from `as_strided` costs twice what unbinding one does. A run's views
- * are dropped before the next run is made, so the next run's tensors take the memory they
- * (and whatever `take` released) held: a bind touches about one run's worth of fresh memory,
- * where views made all at once cost a page fault per ~10 rows, and dearly in a process whose
- * host just streamed a checkpoint through its page cache. A run torch refuses is made row by
- * row, so the error is the row's own. */
+static int bind_view(Binding *b, Py_ssize_t row, PyObject *view) {
+    PyObject *current = b->current_of[row];
+    if (current != NULL) {
+        PyObject *pair[2] = {current, view};
+        PyObject *ok = PyObject_Vectorcall(b->swap, pair, 2, NULL);
+        if (ok == NULL)
+            return -1;
+        Py_DECREF(ok);
+    }
+    PyList_SET_ITEM(b->bound, row, Py_NewRef(current ? current : view));
+    return 0;
+}
+
+/* A view per row, handed to `bind_view` a run at a time: rows of one form whose starts step
+ * evenly -- the same tensor of every layer, one of `period` rows of that form per layer -- come
+ * out of one view of the whole run, unbound along its first dimension. That is one torch call
+ * per run, where a view each from `as_strided` costs twice what unbinding one does. A run's
+ * views are dropped before the next run is made, so the next run's tensors take the memory
+ * they (and the meta tensors they replaced) held: a bind touches about one run's worth of fresh
+ * memory, where views made all at once cost a page fault per ~10 rows, and dearly in a process
+ * whose host just streamed a checkpoint through its page cache. A run torch refuses is made
+ * row by row, so the error is the row's own. */
 static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long long *start, Py_ssize_t n,
-                      TakeView take, void *ctx) {
+                      Binding *binding) {
     Py_ssize_t nforms = PyList_GET_SIZE(forms);
     Py_ssize_t *next = PyMem_Calloc(nforms + 1, sizeof *next), *order = PyMem_Malloc((n + 1) * sizeof *order);
     char *made = PyMem_Calloc(n + 1, 1);
@@ -474,7 +491,7 @@ static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long lon
             if (parts != NULL && PyTuple_Check(parts) && PyTuple_GET_SIZE(parts) == length) {
                 for (Py_ssize_t t = 0; t < length; t++) {
                     made[order[k + t * period]] = 1;
-                    if (take(ctx, order[k + t * period], PyTuple_GET_ITEM(parts, t)) < 0)
+                    if (bind_view(binding, order[k + t * period], PyTuple_GET_ITEM(parts, t)) < 0)
                         goto done;
                 }
                 Py_CLEAR(parts);
@@ -485,7 +502,7 @@ static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long lon
         }
         PyObject *view = strided(form, start[row], 0, 0);
         made[row] = 1;
-        int taken = view ? take(ctx, row, view) : -1;
+        int taken = view ? bind_view(binding, row, view) : -1;
         Py_XDECREF(view);
         if (taken < 0)
             goto done;
@@ -518,27 +535,6 @@ static Py_ssize_t row_name(const Rows *rows, Py_ssize_t i, Py_ssize_t *len) {
     return begin;
 }
 
-/* What make_views hands each view to, in a bind: the row's tensor takes the view's storage,
- * and the row is bound to that tensor; a row with no tensor of its own (a tie named again, a
- * buffer to be) is bound to the view. */
-typedef struct {
-    PyObject *swap, *bound, **current_of;
-} Binding;
-
-static int bind_view(void *ctx, Py_ssize_t row, PyObject *view) {
-    Binding *b = ctx;
-    PyObject *current = b->current_of[row];
-    if (current != NULL) {
-        PyObject *pair[2] = {current, view};
-        PyObject *ok = PyObject_Vectorcall(b->swap, pair, 2, NULL);
-        if (ok == NULL)
-            return -1;
-        Py_DECREF(ok);
-    }
-    PyList_SET_ITEM(b->bound, row, Py_NewRef(current ? current : view));
-    return 0;
-}
-
 /* bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) or None
  *
  * survey: what `survey(module)` returned, or None to survey here. rows: `count` packed rows, any
@@ -565,40 +561,11 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     }
     const char *data = packed.buf;
     Rows rows = {data, data + 8 * n, data + 12 * n, data + 16 * n, packed.len - 16 * n};
-    long long *extent = PyMem_Malloc((nforms + 1) * sizeof *extent), *limit = PyMem_Malloc((nforms + 1) * sizeof *limit);
-    if (extent == NULL || limit == NULL) {
-        PyMem_Free(extent);
-        PyMem_Free(limit);
-        PyBuffer_Release(&packed);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t f = 0; f < nforms; f++) {
-        PyObject *form = PyList_GET_ITEM(forms, f);
-        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
-            !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
-            PyErr_SetString(PyExc_TypeError,
-                            "forms must be (as_strided, shape, stride, itemsize, dtype, extent, limit) tuples");
-            PyMem_Free(extent);
-            PyMem_Free(limit);
-            PyBuffer_Release(&packed);
-            return NULL;
-        }
-        extent[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 5));
-        limit[f] = extent[f] == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(form, 6));
-        if (PyErr_Occurred()) {
-            PyMem_Free(extent);
-            PyMem_Free(limit);
-            PyBuffer_Release(&packed);
-            return NULL;
-        }
-    }
     if (surveyed == Py_None)
         surveyed = survey(NULL, module);
     else
         Py_INCREF(surveyed);
     if (surveyed == NULL) {
-        PyMem_Free(extent);
-        PyMem_Free(limit);
         PyBuffer_Release(&packed);
         return NULL;
     }
@@ -608,18 +575,33 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     Binding binding = {swap, NULL, PyMem_Calloc(n + 1, sizeof(PyObject *))};
     Py_ssize_t *form_of = PyMem_Malloc((n + 1) * sizeof *form_of);
     long long *start = PyMem_Malloc((n + 1) * sizeof *start);
+    long long *extent = PyMem_Malloc((nforms + 1) * sizeof *extent);
+    long long *limit = PyMem_Malloc((nforms + 1) * sizeof *limit);
     const Survey *sv = NULL;
     Py_ssize_t targets = 0;
+    if (extras == NULL || form_of == NULL || start == NULL || extent == NULL || limit == NULL ||
+        binding.current_of == NULL || ptrset_init(&bound_set, n + 1) < 0) {
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t f = 0; f < nforms; f++) {
+        PyObject *form = PyList_GET_ITEM(forms, f);
+        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
+            !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "forms must be (as_strided, shape, stride, itemsize, dtype, extent, limit) tuples");
+            goto done;
+        }
+        extent[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 5));
+        limit[f] = extent[f] == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(form, 6));
+        if (PyErr_Occurred())
+            goto done;
+    }
     if (surveyed == Py_None)  /* nested too deep for the C walk */
         goto unclean;
     if ((sv = PyCapsule_GetPointer(surveyed, SURVEY)) == NULL) {
         PyErr_SetString(PyExc_TypeError, "survey must be what _bindfast.survey returned");
-        goto done;
-    }
-    if (extras == NULL || form_of == NULL || start == NULL || binding.current_of == NULL ||
-        ptrset_init(&bound_set, n + 1) < 0) {
-        if (!PyErr_Occurred())
-            PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t i = 0, end = 0; i < n; i++) {
@@ -699,7 +681,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             goto done;
         Py_DECREF(ok);
     }
-    if ((binding.bound = PyList_New(n)) == NULL || make_views(forms, form_of, start, n, bind_view, &binding) < 0)
+    if ((binding.bound = PyList_New(n)) == NULL || make_views(forms, form_of, start, n, &binding) < 0)
         goto done;
     result = PyTuple_Pack(2, binding.bound, extras);
     goto done;
