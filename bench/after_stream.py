@@ -103,7 +103,8 @@ def main() -> int:
     started = time.perf_counter()
     trees = {"this checkout": PKG, **dict(t.split("=", 1) for t in args.tree)}
     model = checkpoint(args)
-    files = open_checkpoint(model).files
+    ck = open_checkpoint(model)
+    files = ck.files
     sock = os.path.join(tempfile.mkdtemp(prefix="wc-stream-"), "agent.sock")
     agent = AgentProcess(model, sock, args.backend, env=dict(os.environ, PYTHONPATH=PKG))
     agent.ready()
@@ -128,20 +129,23 @@ def main() -> int:
         agent.proc.kill()
         agent.proc.wait()
 
+    def of(tree: str, place: int) -> list[dict]:
+        return [run for run in runs if run["tree"] == tree and run["place"] == place]
+
     def median(tree: str, place: int, key: str) -> float:
-        return statistics.median(run[key] for run in runs if run["tree"] == tree and run["place"] == place)
+        return statistics.median(run[key] for run in of(tree, place))
 
     base = next(iter(trees))
-    lines = [f"{len(open_checkpoint(model).tensors)} tensors, {args.backend}; {len(runs) // len(trees)} rounds, "
-             f"checkpoint streamed in {statistics.median(r['stream_s'] for r in runs):.2f} s (median)", "",
+    lines = [f"{len(ck.tensors)} tensors, {args.backend}; {len({run['round'] for run in runs})} rounds, "
+             f"checkpoint streamed in {statistics.median(run['stream_s'] for run in runs):.2f} s (median)", "",
              "| tree | first attach, first engine after the stream | its bind | its minor / major faults | "
              "first attach, second engine | later attaches | first after the stream, of "
              f"{base}'s |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name in trees:
-        firsts = [round(run["first"], 2) for run in runs if run["tree"] == name and run["place"] == 0]
-        binds = statistics.median(run["phases"]["bind"] for run in runs if run["tree"] == name and run["place"] == 0)
+        firsts = ", ".join(f"{run['first']:.2f}" for run in of(name, 0))
+        binds = statistics.median(run["phases"]["bind"] for run in of(name, 0))
         later = statistics.median(x for run in runs if run["tree"] == name for x in run["later"])
-        lines.append(f"| {name} | {median(name, 0, 'first'):.2f} ms ({', '.join(map(str, firsts))}) | {binds:.2f} ms | "
+        lines.append(f"| {name} | {median(name, 0, 'first'):.2f} ms ({firsts}) | {binds:.2f} ms | "
                      f"{median(name, 0, 'minor'):.0f} / {median(name, 0, 'major'):.0f} | "
                      f"{median(name, 1, 'first'):.2f} ms | {later:.2f} ms | "
                      f"{median(name, 0, 'first') / median(base, 0, 'first'):.2f}x |")
