@@ -14,22 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from bind_fixtures import native, nothing_swapped  # noqa: F401 (native: a fixture)
 from weightcache_agent.errors import AttachError
 from weightcache_agent.load.layout import lay_out
 from weightcache_agent.client import rebind
 from weightcache_agent.client.rebind import _bindfast, bind_manifest, survey
 
-
-@pytest.fixture(params=[True, False], ids=["C", "python"])
-def native(request) -> bool:
-    """Each test once with the C extension, once with the pure-Python path."""
-    if request.param and _bindfast is None:
-        pytest.skip("C extension not built")
-    return request.param
-
-
-def nothing_swapped(m: nn.Module) -> bool:
-    return all(t.is_meta for t in m.state_dict(keep_vars=True).values())
 
 
 class Block(nn.Module):
@@ -160,7 +150,7 @@ def test_the_c_bind_drops_each_runs_views_before_it_makes_the_next(monkeypatch):
     def swap(current: torch.Tensor, view: torch.Tensor) -> None:
         alive.append(sum(h() is not None for h in husks))
         husks.append(weakref.ref(view))
-        rebind.torch._C._swap_tensor_impl(current, view)
+        torch._C._swap_tensor_impl(current, view)
 
     monkeypatch.setattr(rebind, "_swap", swap)
     bind_manifest(m, base, columns)

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from agent_fixtures import AgentProcess, FakeAgent, fd_count, wait_for
+from bind_fixtures import native, nothing_swapped  # noqa: F401 (native: a fixture)
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.arena.cpu import CpuArena
-from weightcache_agent.client.rebind import _bindfast, bind_manifest
+from weightcache_agent.client.rebind import bind_manifest
 from weightcache_agent.errors import ProtocolError
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.load.fingerprint import engine_request
@@ -27,20 +28,13 @@ def model(tmp_path_factory) -> str:
     return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "m"), LlamaShape(num_hidden_layers=2))
 
 
-@pytest.fixture(params=[True, False], ids=["C", "python"])
-def native(request) -> bool:
-    if request.param and _bindfast is None:
-        pytest.skip("C extension not built")
-    return request.param
-
-
-def columns_of(names: list[str]) -> dict[str, list]:
+def layout_columns(names: list[str]) -> dict[str, list]:
     return lay_out([(n, torch.float32, (2,), "weight") for n in names]).to_manifest()
 
 
 def test_packing_keeps_every_row_and_name_exactly():
     names = ["a.weight", "décodeur.poids", "layers.0.\ud800", "x" * 300, "e"]
-    columns = columns_of(names)
+    columns = layout_columns(names)
     packed = PackedRows.from_columns(columns)
     assert packed.columns() == columns
     assert len(packed.data) == 16 * len(names) + sum(len(n.encode("utf-8", "surrogatepass")) for n in names)
@@ -70,7 +64,7 @@ def test_rows_whose_names_do_not_add_up_are_refused_by_both_paths(native):
             m.embed, m.head = torch.nn.Linear(2, 1, bias=False), torch.nn.Linear(2, 1, bias=False)
         with pytest.raises((ValueError, IndexError)):
             bind_manifest(m, base, rows, native=native)
-        assert m.embed.weight.is_meta and m.head.weight.is_meta
+        assert nothing_swapped(m)
     with pytest.raises(ValueError, match="cannot hold"):
         PackedRows(packed.forms, len(packed.data) // 16 + 1, packed.data)
 
@@ -150,7 +144,7 @@ def test_malformed_packed_rows_are_a_protocol_error_and_leak_no_fd(model, tmp_pa
             module = skeleton_module(shapes)
             with pytest.raises(ProtocolError, match=message):
                 attach(module, CacheSpec(model=model), socket=path, timeout=5)
-            assert all(p.is_meta for p in module.parameters()), case
+            assert nothing_swapped(module), case
         # The listener's thread closes its end once the engine hung up: only then may the counts match.
         wait_for(lambda: fd_count(os.getpid()) == before, 5, "every fd closed")
     finally:
