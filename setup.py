@@ -3,12 +3,15 @@
 block-FP8 quantizer (`_fp8cpu`).
 
 `optional=True`: without a C compiler the install still succeeds, and attach and the
-loader use their torch paths (same bytes, more time).
+loader use their torch paths (same bytes, more time). The torch-native row binder
+(`_bindtorch.cpp`) is not built here: it needs the engine's own torch, which a build
+environment need not have; `weightcache build-native` compiles it after install.
 """
 from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("weightcache_agent.client._bindfast", ["node_agent/weightcache_agent/client/_bindfast.c"],
+              depends=["node_agent/weightcache_agent/client/_bindtorch.h"],
               extra_compile_args=["-O2", "-Wall"], optional=True),
     Extension("weightcache_agent.client._rofault", ["node_agent/weightcache_agent/client/_rofault.c"],
               extra_compile_args=["-O2", "-Wall"], optional=True),

@@ -5,15 +5,18 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from weightcache_agent.client import rebind
 from weightcache_agent.client.rebind import _bindfast
 
 
-@pytest.fixture(params=[True, False], ids=["C", "python"])
-def native(request) -> bool:
-    """Each test once with the C extension, once with the pure-Python path."""
-    if request.param and _bindfast is None:
+@pytest.fixture(params=["C++", "C", "python"])
+def native(request, monkeypatch) -> bool:
+    """Each test once per bind path: C with the torch-native row binder (conftest's `torch_rows`),
+    C alone, pure Python. Returns `bind_manifest`'s `native` flag."""
+    if request.param != "python" and _bindfast is None:
         pytest.skip("C extension not built")
-    return request.param
+    monkeypatch.setattr(rebind, "_torch_rows", request.getfixturevalue("torch_rows") if request.param == "C++" else None)
+    return request.param != "python"
 
 
 def nothing_swapped(m: nn.Module) -> bool:

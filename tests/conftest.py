@@ -1,6 +1,11 @@
-"""Fixtures shared across test modules: the real Kubernetes control plane (one per session)."""
+"""Fixtures shared across test modules, each made once per session: the real Kubernetes
+control plane, and the torch-native row binder compiled for this torch."""
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -47,3 +52,28 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
     # local process against the lab, and a fake kubelet must not find an operator pod to run.
     k8s_lab.kubectl("-n", "weightcache-system", "scale", "deployment", "--all", "--replicas=0")
     return k8s_lab
+
+
+@pytest.fixture(scope="session")
+def torch_rows(tmp_path_factory):
+    """The torch-native row binder, compiled for this torch by `weightcache build-native` (a
+    real compile, ~20 s, once per test session)."""
+    from weightcache_agent.client import native_build
+    from weightcache_agent.client.rebind import _bindfast
+
+    if _bindfast is None:
+        pytest.skip("C extension not built")
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        if os.environ.get("CI"):
+            pytest.fail(f"no C++ compiler {compiler!r} in CI: the torch-native binder goes untested")
+        pytest.skip(f"no C++ compiler {compiler!r}")
+    into = tmp_path_factory.mktemp("native")
+    done = subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", "--into", str(into)],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr
+    built = into / native_build.library_name(native_build.key())
+    assert str(built) in done.stdout
+    rows = native_build.load(built)
+    assert rows is not None
+    return rows

@@ -17,12 +17,15 @@
  *
  * Plain CPython API: torch is reached only through the Python objects handed in (the bound
  * `as_strided` of the arena per form, `torch._C._swap_tensor_impl`), so one build works
- * with every torch version.
+ * with every torch version. Where the torch-native row binder was built for the running torch
+ * (_bindtorch.h), its table is handed in too and does each row's check and take inside torch.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "_bindtorch.h"
 
 static PyObject *s_parameters, *s_buffers, *s_modules, *s_shape, *s_dtype, *s_is_meta;
 
@@ -428,6 +431,19 @@ typedef struct {
     PyObject *swap, *bound, **current_of;
 } Binding;
 
+/* A form as the torch-native row binder takes it: the arena viewed as the form's dtype (borrowed
+ * from the form tuple), and the shape and stride as C integers. */
+typedef struct {
+    PyObject *arena;
+    Py_ssize_t ndim;
+    int64_t *shape, *stride;
+} NativeForm;
+
+typedef struct {
+    const WcTorchRows *rows;  /* NULL: every row the Python-level way */
+    NativeForm *forms;
+} Native;
+
 static int bind_view(Binding *b, Py_ssize_t row, PyObject *view) {
     PyObject *current = b->current_of[row];
     if (current != NULL) {
@@ -449,9 +465,10 @@ static int bind_view(Binding *b, Py_ssize_t row, PyObject *view) {
  * they (and the meta tensors they replaced) held: a bind touches about one run's worth of fresh
  * memory, where views made all at once cost a page fault per ~10 rows, and dearly in a process
  * whose host just streamed a checkpoint through its page cache. A run torch refuses is made
- * row by row, so the error is the row's own. */
+ * row by row, so the error is the row's own. With the torch-native row binder, a row's tensor
+ * takes its place in the arena directly and no view is made; rows it declines go as above. */
 static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long long *start, Py_ssize_t n,
-                      Binding *binding) {
+                      Binding *binding, const Native *native) {
     Py_ssize_t nforms = PyList_GET_SIZE(forms);
     Py_ssize_t *next = PyMem_Calloc(nforms + 1, sizeof *next), *order = PyMem_Malloc((n + 1) * sizeof *order);
     char *made = PyMem_Calloc(n + 1, 1);
@@ -474,6 +491,18 @@ static int make_views(PyObject *forms, const Py_ssize_t *form_of, const long lon
         Py_ssize_t row = order[k], period = 0, length = 1;
         if (made[row])
             continue;
+        PyObject *current = binding->current_of[row];
+        const NativeForm *nf = &native->forms[f];
+        if (native->rows != NULL && current != NULL && nf->shape != NULL) {  /* no view: the tensor takes the arena */
+            int taken = native->rows->take(current, nf->arena, nf->ndim, nf->shape, nf->stride, start[row]);
+            if (taken < 0)
+                goto done;
+            if (taken == 0) {
+                made[row] = 1;
+                PyList_SET_ITEM(binding->bound, row, Py_NewRef(current));
+                continue;
+            }
+        }
         for (Py_ssize_t p = 1; p <= MAX_PERIOD && k + p < next[f]; p++) {
             long long step = start[order[k + p]] - start[row];
             Py_ssize_t len = 1;
@@ -516,6 +545,38 @@ done:
     return rc;
 }
 
+/* `form`'s shape and stride as C integers, for the torch-native row binder (one allocation, freed
+ * through nf->shape). A form it cannot express (shape and stride of different lengths, a value
+ * that is no C integer) keeps nf->shape NULL: its rows go the Python-level way, where torch
+ * names the problem. */
+static int native_form(NativeForm *nf, PyObject *form) {
+    PyObject *shape = PyTuple_GET_ITEM(form, 1), *stride = PyTuple_GET_ITEM(form, 2);
+    Py_ssize_t ndim = PyTuple_GET_SIZE(shape);
+    if (PyTuple_GET_SIZE(stride) != ndim)
+        return 0;
+    if ((nf->shape = PyMem_Malloc((2 * ndim + 1) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    nf->stride = nf->shape + ndim;
+    nf->ndim = ndim;
+    nf->arena = PyTuple_GET_ITEM(form, 7);
+    for (Py_ssize_t d = 0; d < ndim; d++) {
+        PyObject *size = PyTuple_GET_ITEM(shape, d), *step = PyTuple_GET_ITEM(stride, d);
+        nf->shape[d] = PyLong_Check(size) ? PyLong_AsLongLong(size) : -1;
+        nf->stride[d] = PyLong_Check(step) ? PyLong_AsLongLong(step) : -1;
+        if (PyErr_Occurred() && !PyErr_ExceptionMatches(PyExc_OverflowError))
+            return -1;
+        if (PyErr_Occurred() || nf->shape[d] < 0 || nf->stride[d] < 0) {
+            PyErr_Clear();
+            PyMem_Free(nf->shape);
+            nf->shape = nf->stride = NULL;
+            return 0;
+        }
+    }
+    return 0;
+}
+
 /* Packed rows (see packed_rows.py): offsets int64[n], form indices uint32[n], name ends uint32[n], names. */
 typedef struct {
     const char *offsets, *forms, *ends, *names;
@@ -535,23 +596,24 @@ static Py_ssize_t row_name(const Rows *rows, Py_ssize_t i, Py_ssize_t *len) {
     return begin;
 }
 
-/* bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) or None
+/* bind(module, survey, rows, count, forms, swap, before_swap=None, torch_rows=None) -> (bound, extras) or None
  *
  * survey: what `survey(module)` returned, or None to survey here. rows: `count` packed rows, any
  * bytes-like object. forms: list of (as_strided of the arena viewed as the form's dtype, shape
- * tuple, stride tuple, itemsize, dtype, extent, limit): a tensor of the form spans `extent`
- * elements, and the arena holds `limit` of them. before_swap: called once every row has
- * checked out, before the first swap. bound: per row, the tensor now bound (the module's own,
+ * tuple, stride tuple, itemsize, dtype, extent, limit, the arena viewed as the form's dtype): a
+ * tensor of the form spans `extent` elements, and the arena holds `limit` of them. before_swap:
+ * called once every row has checked out, before the first swap. torch_rows: the torch-native
+ * row binder's capsule (_bindtorch.h), or None. bound: per row, the tensor now bound (the module's own,
  * or the view where the module does not declare the row); extras: (owner, leaf, row) of those
  * rows. Every row is checked -- its tensor, shape, dtype, and that its view lies inside the
  * arena -- before the first view is made, so views and swaps then go a run at a time and
  * nothing after the checks can fail but memory running out. */
 static PyObject *bind(PyObject *self, PyObject *args) {
-    PyObject *module, *surveyed, *forms, *swap, *before_swap = Py_None;
+    PyObject *module, *surveyed, *forms, *swap, *before_swap = Py_None, *torch_rows = Py_None;
     Py_buffer packed;
     Py_ssize_t n;
-    if (!PyArg_ParseTuple(args, "OOy*nO!O|O", &module, &surveyed, &packed, &n, &PyList_Type, &forms, &swap,
-                          &before_swap))
+    if (!PyArg_ParseTuple(args, "OOy*nO!O|OO", &module, &surveyed, &packed, &n, &PyList_Type, &forms, &swap,
+                          &before_swap, &torch_rows))
         return NULL;
     Py_ssize_t nforms = PyList_GET_SIZE(forms);
     if (n < 0 || packed.len / 16 < n) {
@@ -577,27 +639,30 @@ static PyObject *bind(PyObject *self, PyObject *args) {
     long long *start = PyMem_Malloc((n + 1) * sizeof *start);
     long long *extent = PyMem_Malloc((nforms + 1) * sizeof *extent);
     long long *limit = PyMem_Malloc((nforms + 1) * sizeof *limit);
+    Native native = {NULL, PyMem_Calloc(nforms + 1, sizeof(NativeForm))};
     const Survey *sv = NULL;
     Py_ssize_t targets = 0;
     if (extras == NULL || form_of == NULL || start == NULL || extent == NULL || limit == NULL ||
-        binding.current_of == NULL || ptrset_init(&bound_set, n + 1) < 0) {
+        native.forms == NULL || binding.current_of == NULL || ptrset_init(&bound_set, n + 1) < 0) {
         if (!PyErr_Occurred())
             PyErr_NoMemory();
         goto done;
     }
     for (Py_ssize_t f = 0; f < nforms; f++) {
         PyObject *form = PyList_GET_ITEM(forms, f);
-        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 7 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
+        if (!PyTuple_Check(form) || PyTuple_GET_SIZE(form) != 8 || !PyTuple_Check(PyTuple_GET_ITEM(form, 1)) ||
             !PyTuple_Check(PyTuple_GET_ITEM(form, 2)) || !PyLong_Check(PyTuple_GET_ITEM(form, 3))) {
             PyErr_SetString(PyExc_TypeError,
-                            "forms must be (as_strided, shape, stride, itemsize, dtype, extent, limit) tuples");
+                            "forms must be (as_strided, shape, stride, itemsize, dtype, extent, limit, arena) tuples");
             goto done;
         }
         extent[f] = PyLong_AsLongLong(PyTuple_GET_ITEM(form, 5));
         limit[f] = extent[f] == -1 && PyErr_Occurred() ? -1 : PyLong_AsLongLong(PyTuple_GET_ITEM(form, 6));
-        if (PyErr_Occurred())
+        if (PyErr_Occurred() || (torch_rows != Py_None && native_form(&native.forms[f], form) < 0))
             goto done;
     }
+    if (torch_rows != Py_None && (native.rows = PyCapsule_GetPointer(torch_rows, WC_TORCH_ROWS_CAPSULE)) == NULL)
+        goto done;
     if (surveyed == Py_None)  /* nested too deep for the C walk */
         goto unclean;
     if ((sv = PyCapsule_GetPointer(surveyed, SURVEY)) == NULL) {
@@ -653,13 +718,17 @@ static PyObject *bind(PyObject *self, PyObject *args) {
         }
         if (!ptrset_add(&bound_set, current))  /* a tied tensor the cache also holds under another name: bound once */
             continue;
-        PyObject *shape = PyObject_GetAttr(current, s_shape);
-        PyObject *dtype = shape ? PyObject_GetAttr(current, s_dtype) : NULL;
-        int same = dtype == NULL ? -1 : PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(form, 1), Py_EQ);
-        if (same == 1)
-            same = dtype == PyTuple_GET_ITEM(form, 4);
-        Py_XDECREF(shape);
-        Py_XDECREF(dtype);
+        const NativeForm *nf = &native.forms[form_of[i]];
+        int same = native.rows && nf->shape ? native.rows->same_form(current, nf->arena, nf->ndim, nf->shape) : 2;
+        if (same == 2) {  /* the Python-level way */
+            PyObject *shape = PyObject_GetAttr(current, s_shape);
+            PyObject *dtype = shape ? PyObject_GetAttr(current, s_dtype) : NULL;
+            same = dtype == NULL ? -1 : PyObject_RichCompareBool(shape, PyTuple_GET_ITEM(form, 1), Py_EQ);
+            if (same == 1)
+                same = dtype == PyTuple_GET_ITEM(form, 4);
+            Py_XDECREF(shape);
+            Py_XDECREF(dtype);
+        }
         if (same < 0)
             goto done;
         if (!same)
@@ -681,7 +750,7 @@ static PyObject *bind(PyObject *self, PyObject *args) {
             goto done;
         Py_DECREF(ok);
     }
-    if ((binding.bound = PyList_New(n)) == NULL || make_views(forms, form_of, start, n, &binding) < 0)
+    if ((binding.bound = PyList_New(n)) == NULL || make_views(forms, form_of, start, n, &binding, &native) < 0)
         goto done;
     result = PyTuple_Pack(2, binding.bound, extras);
     goto done;
@@ -697,6 +766,9 @@ done:
     PyMem_Free(start);
     PyMem_Free(extent);
     PyMem_Free(limit);
+    for (Py_ssize_t f = 0; native.forms != NULL && f < nforms; f++)
+        PyMem_Free(native.forms[f].shape);
+    PyMem_Free(native.forms);
     PyMem_Free(bound_set.slots);
     Py_DECREF(surveyed);
     Py_XDECREF(binding.bound);
@@ -708,7 +780,7 @@ done:
 static PyMethodDef methods[] = {
     {"survey", survey, METH_O, "survey(module) -> the tree's parameters and buffers by name (opaque), or None"},
     {"bind", bind, METH_VARARGS,
-     "bind(module, survey, rows, count, forms, swap, before_swap=None) -> (bound, extras) | None"},
+     "bind(module, survey, rows, count, forms, swap, before_swap=None, torch_rows=None) -> (bound, extras) | None"},
     {NULL, NULL, 0, NULL},
 };
 

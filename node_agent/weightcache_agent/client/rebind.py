@@ -17,6 +17,9 @@ submodule. Anything still on meta afterwards, or a shape/dtype that disagrees, i
 as the agent sends them, or JSON columns) and binds them in one pass, in C where the
 optional `_bindfast` extension was built, falling back to the Python path for anything the
 C loop does not handle itself (errors, tensors it cannot place) -- same results either way.
+Where `weightcache build-native` compiled the torch-native row binder for the running torch
+(`native_build`), the C loop hands it each row: the module's tensor takes its place in the
+arena inside torch, with no view object made.
 The C loop's walk of the module tree (`survey`) needs no manifest: `attach` takes it while
 the agent prepares its answer.
 """
@@ -35,12 +38,18 @@ from ..load.dtypes import torch_dtype
 from ..packed_rows import PackedRows, columns_of
 from ..errors import AttachError
 
+from . import native_build
+
 try:
     from . import _bindfast
 except ImportError:  # built without a C compiler: the Python path does the same work
     _bindfast = None
-if os.environ.get("WEIGHTCACHE_NATIVE_BIND") == "0":  # an escape hatch, and a way to compare the paths
+# An escape hatch, and a way to compare the paths: "0" binds in Python, "c" in C without the
+# torch-native row binder.
+_NATIVE = os.environ.get("WEIGHTCACHE_NATIVE_BIND", "1")
+if _NATIVE == "0":
     _bindfast = None
+_torch_rows = native_build.load() if _bindfast is not None and _NATIVE != "c" else None
 
 _MAX_LISTED = 12
 _swap = torch._C._swap_tensor_impl
@@ -85,7 +94,8 @@ def bind_manifest(module: nn.Module, base: torch.Tensor, rows: dict[str, list] |
         forms = _forms(base, rows.forms if isinstance(rows, PackedRows) else rows["forms"])
         if native and _bindfast is not None:
             packed = rows if isinstance(rows, PackedRows) else PackedRows.from_columns(rows)
-            done = _bindfast.bind(module, surveyed, packed.data, packed.count, forms, _swap, before_swap)
+            done = _bindfast.bind(module, surveyed, packed.data, packed.count, forms, _swap, before_swap,
+                                  _torch_rows)
             if done is not None:
                 bound, extras = done
                 for owner, leaf, row in extras:
@@ -137,9 +147,10 @@ def _views(forms: list[tuple], columns: dict[str, list]) -> dict[str, torch.Tens
 
 def _forms(base: torch.Tensor, forms: list) -> list[tuple]:
     """(as_strided of `base` viewed as the form's dtype, shape, stride, itemsize, dtype, extent,
-    limit) per form: a tensor of the form spans `extent` elements, the arena holds `limit`. The
-    C bind checks each row against these before it makes any view; as_strided itself refuses
-    a view that reaches past the arena."""
+    limit, `base` viewed as the form's dtype) per form: a tensor of the form spans `extent`
+    elements, the arena holds `limit`. The C bind checks each row against these before it makes
+    any view; as_strided itself (and the torch-native row binder) refuses a view that reaches
+    past the arena."""
     typed: dict[str, torch.Tensor] = {}
     out = []
     for dtype_key, shape, stride in forms:
@@ -153,7 +164,7 @@ def _forms(base: torch.Tensor, forms: list) -> list[tuple]:
             extent = 0
         else:
             extent = min(1 + sum((d - 1) * s for d, s in zip(shape, stride)), limit + 1)
-        out.append((whole.as_strided, shape, stride, whole.element_size(), whole.dtype, extent, limit))
+        out.append((whole.as_strided, shape, stride, whole.element_size(), whole.dtype, extent, limit, whole))
     return out
 
 
