@@ -5,7 +5,7 @@ was just dropped and refilled: its first attach is slower than on a quiet host. 
 rounds of: drop the page cache (`drop_caches` where root may), read the checkpoint once as a
 cold load does, then start one fresh engine process per package tree -- in alternating order,
 so each tree is as often first after the stream as second -- and time its first attach
-(torch imported, CUDA context made, module on meta, `prepare()` called, before the timer),
+(torch imported, CUDA context made, module on meta, `prepare(socket=...)` called, before the timer),
 its phases, its minor and major page faults, then five later attaches. One agent, of this
 checkout, serves every round. Trees: this checkout's `node_agent`, and any named with
 `--tree NAME=PATH` (another checkout's `node_agent`, its C extension built), side by side.
@@ -48,7 +48,10 @@ if backend == "cuda":
     torch.empty(1, device="cuda")
 shapes = {n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()}
 module = skeleton_module(shapes)
-weightcache_agent.prepare(0 if backend == "cuda" else "cpu")
+try:  # the attach path warmed and the agent's arena mapped, as an engine does while it starts
+    weightcache_agent.prepare(0 if backend == "cuda" else "cpu", socket=sock)
+except TypeError:  # a release whose prepare() maps no arena
+    weightcache_agent.prepare(0 if backend == "cuda" else "cpu")
 r0 = resource.getrusage(resource.RUSAGE_SELF)
 t0 = time.perf_counter()
 att = attach(module, CacheSpec(model=model), socket=sock)

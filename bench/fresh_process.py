@@ -2,9 +2,9 @@
 
 One run, one backend (cpu here, cuda on a GPU host), the same checkpoint throughout:
   1. first attach in a fresh engine process (torch imported, CUDA context made, module
-     on meta, before the timer), with and without `weightcache_agent.prepare()` called at
-     engine start, and the phases of that first attach; the median of later attaches in
-     the same process second;
+     on meta, before the timer), with and without `weightcache_agent.prepare(socket=...)`
+     called at engine start (the attach path warmed, the agent's arena mapped), and the
+     phases of that first attach; the median of later attaches in the same process second;
   2. agent restart with an engine attached (SIGKILL, start again): process start -> status
      says ready, bytes read from disk, and whether torch got loaded into the agent;
   3. cold load from process start, page cache dropped (`posix_fadvise(DONTNEED)` per file,
@@ -53,8 +53,8 @@ if backend == "cuda":
     torch.empty(1, device="cuda")  # every engine makes its CUDA context: not part of an attach
 shapes = {n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()}
 module = skeleton_module(shapes)
-if prepare:
-    weightcache_agent.prepare("cpu" if backend == "cpu" else 0)
+if prepare:  # as an engine calls it while it starts: the attach path warmed, the agent's arena mapped
+    weightcache_agent.prepare("cpu" if backend == "cpu" else 0, socket=sock)
 print(json.dumps({"ready": True}), flush=True)
 sys.stdin.readline()  # released
 t0 = time.perf_counter()
@@ -176,8 +176,8 @@ def main() -> int:
         result[f"first_attach_{key}"] = firsts
         result[f"later_attach_{key}"] = later
         split = ", ".join(f"{k} {statistics.median(ph[k] for ph in phases) * 1e3:.2f}" for k in phases[0])
-        rows.append((f"first attach in a fresh engine process, {'with' if prepare else 'without'} `prepare()` at "
-                     f"engine start (median of {args.fresh} processes; phases ms: {split})",
+        rows.append((f"first attach in a fresh engine process, {'with' if prepare else 'without'} `prepare(socket=...)` "
+                     f"at engine start (median of {args.fresh} processes; phases ms: {split})",
                      ms(statistics.median(firsts)), f"max {ms(max(firsts))}"))
         if prepare:
             rows.append(("later attaches in those processes (median)", ms(statistics.median(later)), ""))

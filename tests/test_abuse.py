@@ -225,7 +225,7 @@ def test_deep_nesting_and_huge_integers_get_a_protocol_error(agent, body, expect
 
 # -- random frames --------------------------------------------------------------------------------------------
 
-TYPES = ("status", "attach", "rejoin", "detach", "promote", "switchover", "manifest", "", "x" * 300)
+TYPES = ("status", "attach", "arena", "rejoin", "detach", "promote", "switchover", "manifest", "", "x" * 300)
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -431,3 +431,29 @@ def test_status_requests_whose_answers_are_never_read_cost_nothing(agent, health
     finally:
         for s in idle:
             s.close()
+
+
+def test_arena_requests_hand_out_the_arena_and_hold_nothing(agent, healthy_after):
+    """The arena without a lease (what an engine maps while it starts): asked 200 times over, and
+    left unread by 50 clients that hang up, it costs the agent no fd and no lease; one carrying
+    fds gets the refusal every request does."""
+    before = agent.status()["clients"]
+    for _ in range(200):
+        with raw(agent.socket) as s:
+            protocol.send_message(s, {"type": "arena"})
+            reply, fds = protocol.recv_message(s, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+            assert reply["type"] == "arena" and len(fds) == 1 and reply["arenas"][0]["size"] > 0, reply
+            for fd in fds:
+                os.close(fd)
+    for _ in range(50):
+        with raw(agent.socket) as s:
+            protocol.send_message(s, {"type": "arena"})
+    r, w = os.pipe()
+    try:
+        with raw(agent.socket) as s:
+            protocol.send_message(s, {"type": "arena"}, [r])
+            assert b"file descriptors sent with a 'arena' message" in drain(s)
+    finally:
+        os.close(r)
+        os.close(w)
+    assert agent.status()["clients"] == before

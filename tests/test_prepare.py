@@ -4,11 +4,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
 
 from agent_fixtures import AgentProcess
+from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 
@@ -54,3 +56,103 @@ def test_prepare_then_first_attach_in_a_fresh_process(model, tmp_path):
         assert agent.status()["attaches"] == 1
     finally:
         agent.stop()
+
+
+def _bound_in(module: torch.nn.Module, base: torch.Tensor) -> bool:
+    lo, hi = base.data_ptr(), base.data_ptr() + base.numel()
+    return all(lo <= t.data_ptr() < hi for t in module.state_dict().values())
+
+
+def _checkpoint_tensors(model: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from weightcache_agent.load.checkpoint import open_checkpoint
+
+    files = {r.file for r in open_checkpoint(model).tensors.values()}
+    return {n: t.to(dtype) for f in files for n, t in load_file(f).items()}
+
+
+def test_prepare_with_the_socket_maps_the_arena_and_the_attach_binds_into_that_mapping(model, tmp_path):
+    from weightcache_agent import CacheSpec, attach, prepare
+    from weightcache_agent.client import warmup
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    sock = str(tmp_path / "a.sock")
+    with AgentProcess(model, sock, "--backend", "cpu") as agent:
+        took = prepare("cpu", socket=sock)
+        assert "arena" in took
+        (key, base, _), = warmup._premapped.values()
+        assert agent.status()["attaches"] == 0, "the arena request is no attach"
+        module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
+        att = attach(module, CacheSpec(model=model), socket=sock)
+        try:
+            assert not warmup._premapped, "the attach took the mapping"
+            assert att._arenas[0]["id"] == key[0]
+            assert _bound_in(module, base), "every tensor lies in the arena mapped at prepare()"
+            expected = _checkpoint_tensors(model, torch.bfloat16)
+            assert all(torch.equal(t, expected[n]) for n, t in module.state_dict().items())
+            assert agent.status()["attaches"] == 1
+        finally:
+            att.close()
+
+
+def test_a_mapping_of_an_arena_since_replaced_is_dropped_and_the_attach_maps_the_new_one(model, tmp_path):
+    """The agent restarted between prepare() and attach, now holding other bytes (another dtype):
+    the attach must bind the new arena, not the one mapped at prepare()."""
+    from weightcache_agent import CacheSpec, attach, prepare
+    from weightcache_agent.client import warmup
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    sock = str(tmp_path / "a.sock")
+    with AgentProcess(model, sock, "--backend", "cpu", "--dtype", "float32"):
+        assert "arena" in prepare("cpu", socket=sock)
+    (old_key, old_base, _), = warmup._premapped.values()
+    old_bytes = old_base.numel()
+    del old_base
+    with AgentProcess(model, sock, "--backend", "cpu", "--dtype", "bfloat16"):
+        shapes = {n: (r.shape, torch.bfloat16) for n, r in open_checkpoint(model).tensors.items()}
+        module = skeleton_module(shapes)
+        att = attach(module, CacheSpec(model=model, dtype="bfloat16"), socket=sock)
+        try:
+            assert not warmup._premapped
+            assert att._arenas[0]["id"] != old_key[0] and att.bytes < old_bytes
+            expected = _checkpoint_tensors(model, torch.bfloat16)
+            assert all(torch.equal(t, expected[n]) for n, t in module.state_dict().items())
+        finally:
+            att.close()
+
+
+def test_prepare_maps_nothing_where_no_agent_answers_or_it_is_not_ready(model, tmp_path):
+    """No agent, or one still waiting to adopt its predecessor's arena: prepare() goes on without
+    the arena (the attach maps it), and says so by leaving "arena" out."""
+    from weightcache_agent import CacheSpec, attach, prepare
+    from weightcache_agent.client import warmup
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    sock = str(tmp_path / "a.sock")
+    assert "arena" not in prepare("cpu", socket=sock)
+    shapes = {n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()}
+    first = AgentProcess(model, sock, "--backend", "cpu")
+    first.wait_ready()
+    att = attach(skeleton_module(shapes), CacheSpec(model=model), socket=sock)
+    first.proc.kill()  # its state file still names this engine's lease
+    first.proc.wait()
+    att.close()  # and this engine will not rejoin: the next agent waits for it in vain
+    waiting = AgentProcess(model, sock, "--backend", "cpu", "--adopt-wait", "20")
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                phase = waiting.status()["phase"]
+                break
+            except AgentUnavailable:
+                time.sleep(0.02)
+        assert phase != "ready"
+        assert "arena" not in prepare("cpu", socket=sock)
+        assert not warmup._premapped
+        assert waiting.status()["phase"] == phase, "still waiting: the answer was no"
+    finally:
+        waiting.stop()

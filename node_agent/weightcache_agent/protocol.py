@@ -15,6 +15,10 @@ Messages (client -> agent):
       role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
+  {"type": "arena"}                                    -> {"type": "arena", "backend", "arenas"} + fds: the
+      arena without a lease or manifest, for an engine to map while it starts (`prepare`); each
+      arena's "id" (also in every manifest) tells its attach whether that mapping is of the same
+      arena. An agent still loading answers {"type": "error", "code": "not_ready"}.
   {"type": "detach"}                                   -> the lease ends cleanly
   {"type": "promoted"}                                 on a lease: the answer to "promote", sent once
       the engine serves as primary; until then the agent reports the lease as "promoting".

@@ -38,6 +38,7 @@ from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOC
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .readonly import guard
 from .rebind import bind_manifest, survey
+from .warmup import take as take_premapped
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -349,7 +350,10 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             raise ProtocolError(f"expected a manifest with one fd per arena, got {str(reply['type'])[:40]!r} with "
                                 f"{len(fds)} fd(s)")
         phases["round trip"] = time.perf_counter() - started - phases["request"]
-        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust, phases, surveyed)
+        premapped = take_premapped(conn.getpeername(), reply)  # taken either way: no longer held for later
+        if copy_on_write:  # a private mapping of its own
+            premapped = None
+        tensors = _bind_over(reply, fds, module, strict, copy_on_write, adjust, phases, surveyed, premapped)
         conn.settimeout(None)
     except BaseException:
         conn.close()
@@ -430,11 +434,12 @@ def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
 
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
                copy_on_write: bool = False, adjust: Adjust | None = None,
-               phases: dict[str, float] | None = None,
-               surveyed: object | None = None) -> Mapping[str, torch.Tensor]:
-    """Map the agent's arena read-only and bind `module` to it, row by manifest row."""
+               phases: dict[str, float] | None = None, surveyed: object | None = None,
+               premapped: tuple[torch.Tensor, Callable[[], None]] | None = None) -> Mapping[str, torch.Tensor]:
+    """Map the agent's arena read-only (unless `prepare` mapped it: `premapped`) and bind `module`
+    to it, row by manifest row."""
     t0 = time.perf_counter()
-    base, granted = _map_arena_meanwhile(manifest, fds, copy_on_write)
+    base, granted = premapped or _map_arena_meanwhile(manifest, fds, copy_on_write)
     t1 = time.perf_counter()
     try:
         if adjust is None:

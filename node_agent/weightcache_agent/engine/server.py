@@ -100,8 +100,8 @@ def load_model(spec: CacheSpec, mode: str = "off", socket: str | None = None, **
 
 
 def _prepare_device(socket: str | None) -> "torch.device | None":
-    """Make the GPU's context and warm the attach path (`prepare()`) before attaching; returns
-    the device the agent serves (None: no agent answered).
+    """Make the GPU's context, warm the attach path and map the agent's arena (`prepare()`)
+    before attaching; returns the device the agent serves (None: no agent answered).
 
     Both are once-per-process start-up costs (the context hundreds of ms, the attach path's
     first use ~20 ms), not part of getting the weights; paid first, the attach is as fast as
@@ -125,7 +125,7 @@ def _prepare_device(socket: str | None) -> "torch.device | None":
             return None
     if status.get("backend") != "cuda" or not status.get("device"):
         if status.get("backend") == "cpu":
-            prepare("cpu")
+            prepare("cpu", socket=socket)
             PHASES.mark("attach path prepared")
             return torch.device("cpu")
         return None
@@ -135,7 +135,7 @@ def _prepare_device(socket: str | None) -> "torch.device | None":
     torch.cuda.set_device(ordinal)
     torch.empty(1, device=f"cuda:{ordinal}")
     PHASES.mark("context current")
-    prepare(ordinal)
+    prepare(ordinal, socket=socket)
     PHASES.mark("attach path prepared")
     return torch.device(f"cuda:{ordinal}")
 

@@ -148,6 +148,9 @@ class Agent:
         self.error: str | None = None
         self.progress = LoadProgress()
         self.cache: LoadedCache | None = None
+        # Names this agent's arena in every manifest and "arena" reply: an engine that mapped the
+        # arena while it started (`prepare(socket=...)`) uses that mapping only for the same arena.
+        self._arena_id = secrets.token_hex(16)
         self._manifest = b"[]"  # the rows as JSON columns, for engines that do not ask for them packed
         self._packed: tuple[bytes, bytes] = (b"{}", b"")  # packed rows: what the JSON says of them, the payload
         # engine fields per distinct request: every engine of a deployment sends the same one
@@ -599,6 +602,10 @@ class Agent:
                     conn.settimeout(self.handshake_timeout)
                     protocol.send_message(conn, self.status())
                     deadline = time.monotonic() + self.handshake_timeout  # a new request, a new deadline
+                elif kind == "arena":
+                    conn.settimeout(self.handshake_timeout)
+                    self._send_arena(conn, peer)
+                    deadline = time.monotonic() + self.handshake_timeout
                 elif kind == "attach":
                     self._done_pending(key)
                     conn.settimeout(self.handshake_timeout)
@@ -715,7 +722,7 @@ class Agent:
             "fields": cache.fields,
             "layout_hash": cache.layout.layout_hash,
             "bytes": cache.layout.nbytes,
-            "arenas": [{"index": 0, "size": cache.arena.size, "backend": cache.arena.backend, "device": self.device.uuid}],
+            "arenas": self._arenas(),
             "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
@@ -735,6 +742,24 @@ class Agent:
         log.info("attached pid=%s role=%s group=%s lease=%d in %.2fms", peer, lease.role, group, lease.id,
                  seconds * 1e3)
         return lease
+
+    def _arenas(self) -> list[dict[str, Any]]:
+        arena = self.cache.arena
+        return [{"index": 0, "size": arena.size, "backend": arena.backend, "device": self.device.uuid,
+                 "id": self._arena_id}]
+
+    def _send_arena(self, conn: socket.socket, peer: int | None) -> None:
+        """The arena's fd and what it is, without a lease or a manifest: an engine maps it while it
+        starts, and its attach then only binds. No waiting for a load: an engine that asks too
+        early is told so and maps at its attach. The same peers get the same fd by attaching."""
+        if not self._ready.is_set():
+            protocol.send_message(conn, protocol.error_message("not_ready", f"the cache is {self.phase}"))
+        elif self.cache is None:
+            protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
+        else:
+            protocol.send_message(conn, {"type": "arena", "backend": self.cache.arena.backend,
+                                         "arenas": self._arenas()}, [self.cache.arena.fd])
+            log.debug("sent the arena to pid=%s ahead of its attach", peer)
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=True)
