@@ -4,12 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess
+from agent_fixtures import AgentProcess, wait_for
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
@@ -143,16 +142,44 @@ def test_prepare_maps_nothing_where_no_agent_answers_or_it_is_not_ready(model, t
     att.close()  # and this engine will not rejoin: the next agent waits for it in vain
     waiting = AgentProcess(model, sock, "--backend", "cpu", "--adopt-wait", "20")
     try:
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def adopting() -> bool:
             try:
-                phase = waiting.status()["phase"]
-                break
+                return waiting.status()["phase"] == "adopting"
             except AgentUnavailable:
-                time.sleep(0.02)
-        assert phase != "ready"
+                return False
+
+        wait_for(adopting, 10, "the agent waiting for its predecessor's engines")
         assert "arena" not in prepare("cpu", socket=sock)
         assert not warmup._premapped
-        assert waiting.status()["phase"] == phase, "still waiting: the answer was no"
+        assert waiting.status()["phase"] == "adopting", "still waiting: the answer was no"
     finally:
         waiting.stop()
+
+
+def test_the_lease_watcher_waits_ready_when_the_attach_comes(model, tmp_path):
+    """prepare() starts the thread that will watch the attach's lease (starting one inside the
+    attach would cost it 0.1-0.3 ms); that thread watches for real -- it sees the agent go -- and
+    closing the attachment ends it, while the next idle one is already waiting."""
+    from weightcache_agent import CacheSpec, attach, prepare
+    from weightcache_agent.client.session import lease_threads
+    from weightcache_agent.load.checkpoint import open_checkpoint
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    sock = str(tmp_path / "a.sock")
+    agent = AgentProcess(model, sock, "--backend", "cpu")
+    try:
+        agent.wait_ready()
+        prepare("cpu")
+        idle = lease_threads._idle
+        assert idle is not None and idle.is_alive()
+        module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
+        att = attach(module, CacheSpec(model=model), socket=sock)
+        assert att._watcher is idle
+        wait_for(lambda: lease_threads._idle not in (None, idle) and lease_threads._idle.is_alive(), 5,
+                 "the next idle watcher")
+        agent.stop()
+        wait_for(lambda: not att.agent_alive, 10, "the watcher to see the agent go")
+        att.close()
+        assert not idle.is_alive()
+    finally:
+        agent.stop()

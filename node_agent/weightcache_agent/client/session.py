@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket as socketlib
 import subprocess
 import sys
@@ -46,6 +47,45 @@ log = logging.getLogger(__name__)
 MODES = ("client", "daemon", "off")
 # What a manifest reply must carry, checked before any of it is used: garbage is a ProtocolError.
 _MANIFEST_MEMBERS = (("fingerprint", str), ("fields", dict), ("bytes", int), ("layout_hash", str), ("role", str))
+
+
+class _LeaseThreads:
+    """One thread per attachment watches its lease. Starting a thread costs its starter 0.1-0.3 ms
+    (it waits until the thread runs), so `prepare()` starts one that waits idle: an attach hands
+    its watch to it, and that thread, before it watches, starts the next idle one. Each thread
+    runs one watch and ends, so `Attachment.close` can join it. Without an idle thread (no
+    `prepare()`, or a forked child, where it is gone) an attach starts its own."""
+
+    def __init__(self) -> None:
+        self._jobs: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self._idle: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self, watch: Callable[[], None]) -> threading.Thread:
+        """A thread running `watch`."""
+        with self._lock:
+            idle, self._idle = self._idle, None
+        if idle is not None and idle.is_alive():
+            self._jobs.put(watch)
+            return idle
+        thread = threading.Thread(target=watch, name="weightcache-lease", daemon=True)
+        thread.start()
+        return thread
+
+    def keep_one_idle(self) -> None:
+        with self._lock:
+            if self._idle is not None and self._idle.is_alive():
+                return
+            self._idle = threading.Thread(target=self._wait_for_watch, name="weightcache-lease", daemon=True)
+            self._idle.start()
+
+    def _wait_for_watch(self) -> None:
+        watch = self._jobs.get()
+        self.keep_one_idle()
+        watch()
+
+
+lease_threads = _LeaseThreads()
 
 
 class Attachment:
@@ -96,8 +136,7 @@ class Attachment:
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         if conn is not None:
-            self._watcher = threading.Thread(target=self._watch, name="weightcache-lease", daemon=True)
-            self._watcher.start()
+            self._watcher = lease_threads.start(self._watch)
 
     def __repr__(self) -> str:
         return (f"Attachment(source={self.source!r}, role={self.role!r}, tensors={len(self.tensors)}, "

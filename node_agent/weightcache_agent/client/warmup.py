@@ -47,8 +47,9 @@ def prepare(device: int | str | None = None, socket: str | None = None) -> dict[
     when CUDA is available, else cpu), and with `socket`, map that agent's arena for the attach
     to come. Returns seconds per step, for a log line ("arena" only where the arena was mapped:
     an agent that is absent or still loading is left to the attach)."""
-    from . import session  # noqa: F401  (the attach module and everything it imports)
+    from . import session  # the attach module and everything it imports
 
+    session.lease_threads.keep_one_idle()  # the attach's lease watcher, started now
     took: dict[str, float] = {}
     t0 = time.perf_counter()
     _dry_run(map_readonly, _cpu_arena)
