@@ -55,9 +55,9 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
 
 
 @pytest.fixture(scope="session")
-def torch_rows(tmp_path_factory):
-    """The torch-native row binder, compiled for this torch by `weightcache build-native` (a
-    real compile, ~20 s, once per test session)."""
+def native_build_dir(tmp_path_factory):
+    """A directory holding the torch-native row binder compiled for this torch by `weightcache
+    build-native` (a real compile, ~20 s, once per test session)."""
     from weightcache_agent.client import native_build
     from weightcache_agent.client.rebind import _bindfast
 
@@ -72,8 +72,15 @@ def torch_rows(tmp_path_factory):
     done = subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", "--into", str(into)],
                           capture_output=True, text=True, timeout=280)
     assert done.returncode == 0, done.stderr
-    built = into / native_build.library_name(native_build.key())
-    assert str(built) in done.stdout
-    rows = native_build.load(built)
+    assert str(into / native_build.library_name(native_build.key())) in done.stdout
+    return into
+
+
+@pytest.fixture(scope="session")
+def torch_rows(native_build_dir):
+    """The row binder's function table, loaded from that build."""
+    from weightcache_agent.client import native_build
+
+    rows = native_build.load(native_build_dir / native_build.library_name(native_build.key()))
     assert rows is not None
     return rows

@@ -246,3 +246,17 @@ def test_names_that_are_no_utf8_bind_or_are_refused_as_any_other(native):
     with pytest.raises(AttachError, match="nowhere to go"):
         bind_manifest(m, base, columns, native=native)
     assert nothing_swapped(m)
+
+
+def test_a_module_built_under_inference_mode_binds_on_every_path(native):
+    """Inference tensors cannot take a normal tensor's place in torch: the row binder declines
+    them and the C bind does those rows its own way, with the same result."""
+    base = torch.arange(64, dtype=torch.float32).view(torch.uint8)
+    columns = {"name": ["weight", "bias"], "offset": [0, 64], "form": [0, 1],
+               "forms": [["float32", [2, 8], [8, 1]], ["float32", [2], [1]]]}
+    with torch.inference_mode():
+        m = nn.Linear(8, 2, device="meta")
+    assert m.weight.is_inference()
+    bind_manifest(m, base, columns, native=native)
+    assert torch.equal(m.weight, torch.arange(16, dtype=torch.float32).view(2, 8))
+    assert m.bias.tolist() == [16.0, 17.0] and m.weight.data_ptr() == base.data_ptr()

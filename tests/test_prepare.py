@@ -73,7 +73,7 @@ def _checkpoint_tensors(model: str, dtype: torch.dtype) -> dict[str, torch.Tenso
 
 def test_prepare_with_the_socket_maps_the_arena_and_the_attach_binds_into_that_mapping(model, tmp_path):
     from weightcache_agent import CacheSpec, attach, prepare
-    from weightcache_agent.client import warmup
+    from weightcache_agent.client import mapping
     from weightcache_agent.load.checkpoint import open_checkpoint
     from weightcache_agent.testing.synthetic import skeleton_module
 
@@ -81,12 +81,12 @@ def test_prepare_with_the_socket_maps_the_arena_and_the_attach_binds_into_that_m
     with AgentProcess(model, sock, "--backend", "cpu") as agent:
         took = prepare("cpu", socket=sock)
         assert "arena" in took
-        (key, base, _), = warmup._premapped.values()
+        (key, base, _), = mapping._premapped.values()
         assert agent.status()["attaches"] == 0, "the arena request is no attach"
         module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
         att = attach(module, CacheSpec(model=model), socket=sock)
         try:
-            assert not warmup._premapped, "the attach took the mapping"
+            assert not mapping._premapped, "the attach took the mapping"
             assert att._arenas[0]["id"] == key[0]
             assert _bound_in(module, base), "every tensor lies in the arena mapped at prepare()"
             expected = _checkpoint_tensors(model, torch.bfloat16)
@@ -100,14 +100,14 @@ def test_a_mapping_of_an_arena_since_replaced_is_dropped_and_the_attach_maps_the
     """The agent restarted between prepare() and attach, now holding other bytes (another dtype):
     the attach must bind the new arena, not the one mapped at prepare()."""
     from weightcache_agent import CacheSpec, attach, prepare
-    from weightcache_agent.client import warmup
+    from weightcache_agent.client import mapping
     from weightcache_agent.load.checkpoint import open_checkpoint
     from weightcache_agent.testing.synthetic import skeleton_module
 
     sock = str(tmp_path / "a.sock")
     with AgentProcess(model, sock, "--backend", "cpu", "--dtype", "float32"):
         assert "arena" in prepare("cpu", socket=sock)
-    (old_key, old_base, _), = warmup._premapped.values()
+    (old_key, old_base, _), = mapping._premapped.values()
     old_bytes = old_base.numel()
     del old_base
     with AgentProcess(model, sock, "--backend", "cpu", "--dtype", "bfloat16"):
@@ -115,7 +115,7 @@ def test_a_mapping_of_an_arena_since_replaced_is_dropped_and_the_attach_maps_the
         module = skeleton_module(shapes)
         att = attach(module, CacheSpec(model=model, dtype="bfloat16"), socket=sock)
         try:
-            assert not warmup._premapped
+            assert not mapping._premapped
             assert att._arenas[0]["id"] != old_key[0] and att.bytes < old_bytes
             expected = _checkpoint_tensors(model, torch.bfloat16)
             assert all(torch.equal(t, expected[n]) for n, t in module.state_dict().items())
@@ -127,7 +127,7 @@ def test_prepare_maps_nothing_where_no_agent_answers_or_it_is_not_ready(model, t
     """No agent, or one still waiting to adopt its predecessor's arena: prepare() goes on without
     the arena (the attach maps it), and says so by leaving "arena" out."""
     from weightcache_agent import CacheSpec, attach, prepare
-    from weightcache_agent.client import warmup
+    from weightcache_agent.client import mapping
     from weightcache_agent.load.checkpoint import open_checkpoint
     from weightcache_agent.testing.synthetic import skeleton_module
 
@@ -150,7 +150,7 @@ def test_prepare_maps_nothing_where_no_agent_answers_or_it_is_not_ready(model, t
 
         wait_for(adopting, 10, "the agent waiting for its predecessor's engines")
         assert "arena" not in prepare("cpu", socket=sock)
-        assert not warmup._premapped
+        assert not mapping._premapped
         assert waiting.status()["phase"] == "adopting", "still waiting: the answer was no"
     finally:
         waiting.stop()

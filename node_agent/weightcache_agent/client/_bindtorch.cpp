@@ -65,7 +65,9 @@ int take(PyObject *tensor, PyObject *arena, Py_ssize_t ndim, const int64_t *shap
             return -1;
         }
         empty |= shape[d] == 0;
-        if (shape[d] > 0 && __builtin_add_overflow(last, (shape[d] - 1) * stride[d], &last)) {
+        int64_t reach;
+        if (shape[d] > 0 && (__builtin_mul_overflow(shape[d] - 1, stride[d], &reach) ||
+                             __builtin_add_overflow(last, reach, &last))) {
             PyErr_SetString(PyExc_IndexError, "a view reaching past the arena");
             return -1;
         }

@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from .. import protocol
-from ..arena.cpu import map_private, map_readonly
 from ..arena.cuda import CudaError
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
@@ -37,9 +36,8 @@ from ..packed_rows import PackedRows, columns_of
 from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
-from .readonly import guard
 from .rebind import bind_manifest, survey
-from .warmup import take as take_premapped
+from .mapping import map_arena, map_arena_meanwhile, map_cpu, take as take_premapped  # noqa: F401 (map_arena re-exported)
 from ..spec import CacheSpec
 
 log = logging.getLogger(__name__)
@@ -434,43 +432,6 @@ def _manifest_reply(conn: socketlib.socket) -> tuple[dict, list[int]]:
     return reply, fds
 
 
-def map_arena(manifest: dict[str, Any], fds: list[int], copy_on_write: bool = False) -> torch.Tensor:
-    """The agent's arena (from a manifest reply and its fds), mapped read-only as one uint8 tensor."""
-    base, granted = _map_arena_meanwhile(manifest, fds, copy_on_write)
-    granted()
-    return base
-
-
-def _map_arena_meanwhile(manifest: dict[str, Any], fds: list[int],
-                         copy_on_write: bool) -> tuple[torch.Tensor, Callable[[], None]]:
-    """`map_arena`, and what to call before anything reads the arena (the cuda backend grants
-    access on a thread while the rows are checked)."""
-    arena = manifest["arenas"][0]
-    backend = manifest.get("backend", "cpu")
-    if backend == "cpu":
-        return _map_cpu(fds[0], arena["size"], copy_on_write), _granted
-    if copy_on_write:
-        raise AttachError(f"copy_on_write is for the cpu backend; the agent serves {str(backend)[:16]!r}, whose "
-                          "weights are read-only: clone a tensor before changing it")
-    if backend == "cuda":
-        from ..arena.cuda import map_readonly_cuda_meanwhile
-
-        return map_readonly_cuda_meanwhile(fds[0], arena["size"], arena["device"])
-    raise AttachError(f"agent serves the {backend!r} backend, which this client cannot map")
-
-
-def _granted() -> None:
-    """A mapping whose access was set as it was made."""
-
-
-def _map_cpu(fd: int, size: int, copy_on_write: bool) -> torch.Tensor:
-    if copy_on_write:
-        return map_private(fd, size)
-    base = map_readonly(fd, size)
-    guard(base)  # a write into it: a message naming the cause, not a bare SIGSEGV
-    return base
-
-
 def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, strict: bool,
                copy_on_write: bool = False, adjust: Adjust | None = None,
                phases: dict[str, float] | None = None, surveyed: object | None = None,
@@ -478,7 +439,7 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
     """Map the agent's arena read-only (unless `prepare` mapped it: `premapped`) and bind `module`
     to it, row by manifest row."""
     t0 = time.perf_counter()
-    base, granted = premapped or _map_arena_meanwhile(manifest, fds, copy_on_write)
+    base, granted = premapped or map_arena_meanwhile(manifest, fds, copy_on_write)
     t1 = time.perf_counter()
     try:
         if adjust is None:
@@ -502,7 +463,7 @@ def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
-        base = _map_cpu(loaded.arena.fd, loaded.layout.size, copy_on_write)
+        base = map_cpu(loaded.arena.fd, loaded.layout.size, copy_on_write)
         tensors = bind_adjusted(module, base, loaded.layout.to_manifest(), strict, adjust)
     finally:
         loaded.arena.close()  # the mapping keeps the memory

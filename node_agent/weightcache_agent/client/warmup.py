@@ -9,37 +9,23 @@ imported and mapped read-only exactly as an agent's, then bound into a one-param
 so that the engine's real attach is a later attach. An engine calls it while it starts
 (before or while building its model), and may skip it.
 
-Given the agent's socket, `prepare` also maps the agent's arena itself (an "arena" request:
-the fd and the arena's id, no lease), and on the cuda backend has its read access granted,
-which takes ~1 ms for tens of GiB. The attach on that socket then finds it mapped (`take`)
-and only binds, where the arena's id in its manifest is the same; otherwise (the agent
-restarted meanwhile, or was still loading) the attach drops that mapping and maps as always.
-Until the attach takes it, the mapping holds the arena's memory as an attach does.
+Given the agent's socket, `prepare` also maps the agent's arena itself, for the attach to
+take (`mapping.map_ahead`).
 """
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import time
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from .. import protocol
 from ..arena.cpu import CpuArena, map_readonly
-from ..errors import WeightCacheError
+from .mapping import map_ahead
 from .rebind import bind_manifest
 
-log = logging.getLogger(__name__)
-
 _SIZE = 4096
-_ASK_TIMEOUT = 5.0  # the agent answers an "arena" request at once, loading or not
-# The agent's socket (as the kernel names its peer) -> (the arena's id, size, backend, device,
-# the mapping, its grant). One per agent: a process of several ranks maps each rank's.
-_premapped: dict[str, tuple[tuple, torch.Tensor, Callable[[], None]]] = {}
-_premapped_lock = threading.Lock()
 
 
 def prepare(device: int | str | None = None, socket: str | None = None) -> dict[str, float]:
@@ -62,64 +48,9 @@ def prepare(device: int | str | None = None, socket: str | None = None) -> dict[
         took["cuda"] = time.perf_counter() - t1
     if socket is not None:
         t2 = time.perf_counter()
-        if _map_ahead(socket):
+        if map_ahead(socket):
             took["arena"] = time.perf_counter() - t2
     return took
-
-
-def _map_ahead(socket: str) -> bool:
-    """Map the arena of the agent at `socket` now, for its attach to take. False where it cannot
-    be had now (logged): the attach maps as always."""
-    from .session import _map_arena_meanwhile
-
-    fds: list[int] = []
-    try:
-        conn = protocol.connect(socket)
-        try:
-            conn.settimeout(_ASK_TIMEOUT)
-            protocol.send_message(conn, {"type": "arena"})
-            reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
-            peer = conn.getpeername()
-        finally:
-            conn.close()
-        if reply.get("type") != "arena":
-            log.info("arena not mapped ahead: the agent at %s says %s", socket, str(reply.get("message"))[:200])
-            return False
-        key = _arena_key(reply)
-        if key is None or len(fds) != 1:
-            raise WeightCacheError(f"an arena reply with {len(fds)} fd(s) and arenas {str(reply.get('arenas'))[:200]}")
-        base, granted = _map_arena_meanwhile(reply, fds, copy_on_write=False)
-    except (OSError, EOFError, WeightCacheError) as e:
-        log.info("arena not mapped ahead from %s: %s", socket, e)
-        return False
-    finally:
-        for fd in fds:
-            os.close(fd)  # the mapping holds the memory
-    with _premapped_lock:
-        _premapped[peer] = (key, base, granted)
-    return True
-
-
-def take(peer: str, manifest: dict[str, Any]) -> tuple[torch.Tensor, Callable[[], None]] | None:
-    """The arena mapped ahead from the agent at `peer` (what `_map_arena_meanwhile` returns), where
-    it is the one `manifest` names; None otherwise. Either way the mapping is no longer held here."""
-    with _premapped_lock:
-        held = _premapped.pop(peer, None)
-    if held is None:
-        return None
-    key, base, granted = held
-    return (base, granted) if key == _arena_key(manifest) else None  # a dropped mapping waits for its grant
-
-
-def _arena_key(reply: dict[str, Any]) -> tuple | None:
-    """What makes two replies name the same arena: its id, size, backend and device."""
-    arenas = reply.get("arenas")
-    if not isinstance(arenas, list) or len(arenas) != 1 or not isinstance(arenas[0], dict):
-        return None
-    arena = arenas[0]
-    if not isinstance(arena.get("id"), str) or not isinstance(arena.get("size"), int):
-        return None
-    return arena["id"], arena["size"], arena.get("backend"), arena.get("device"), reply.get("backend")
 
 
 def _cpu_arena() -> tuple[Any, str]:
