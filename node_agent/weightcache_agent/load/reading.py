@@ -78,9 +78,6 @@ READ_CHUNK = 64 * 1024 * 1024  # most bytes one preadv / sendfile call asks for
 JOB_BYTES = 16 * 1024 * 1024  # a plain tensor is handed to readers in jobs of this size
 
 
-MAX_READERS = 4
-
-
 DIRECT_IO_ENV = "WEIGHTCACHE_DIRECT_IO"
 
 
@@ -489,13 +486,15 @@ def at_normal_priority() -> None:
 
 
 def default_readers() -> int:
-    """Reader threads: enough that a request is in flight while another reader copies (2), more
-    on a big host where one thread's kernel copy rate is below the disk's; capped at 4 so the
-    disk still sees a nearly sequential stream. `WEIGHTCACHE_READERS` overrides it."""
+    """Reader threads: two, so that a request is in flight while the other reader copies or
+    quantizes. More made cold loads slower on the 16-core GPU hosts measured (bench/RESULTS.md:
+    4 and 8 readers 1.41-1.47 GB/s, 2 readers 1.62-1.67 GB/s from the same disk): each reader's
+    16-32 MiB request already keeps the disk's queue full, and more of them only interleave the
+    stream. `WEIGHTCACHE_READERS` overrides it."""
     env = os.environ.get("WEIGHTCACHE_READERS")
     if env:
         return max(1, int(env))
-    return max(2, min(MAX_READERS, usable_cores() // 4))
+    return 2
 
 
 def usable_cores() -> int:
