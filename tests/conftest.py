@@ -57,7 +57,7 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
 @pytest.fixture(scope="session")
 def native_build_dir(tmp_path_factory):
     """A directory holding the torch-native row binder compiled for this torch by `weightcache
-    build-native` (a real compile, ~20 s, once per test session)."""
+    build-native` (a real compile, 10-20 s, once per test session)."""
     from weightcache_agent.client import native_build
     from weightcache_agent.client.rebind import _bindfast
 

@@ -3,7 +3,7 @@
 The C bind (`_bindfast`) is plain CPython and `pip install` builds it for any torch. The
 row binder uses torch's C++ API, so it has to be compiled against the very torch an engine
 runs, after that torch is installed: `weightcache build-native` (a C++ compiler and the
-torch wheel's own headers; half a minute) writes `_bindtorch-KEY.so`, where KEY hashes the
+torch wheel's own headers; 10-20 s) writes `_bindtorch-KEY.so`, where KEY hashes the
 torch version, its git revision, the C++ ABI, the Python ABI and the source. `load()` looks
 for the file of the running torch's KEY only, so an upgraded torch never loads a stale
 build: attaches then bind without it, slower by about a microsecond per tensor.

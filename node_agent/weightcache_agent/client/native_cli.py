@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
                                 f"run {PROG}", EXIT_FAILED)
         print(f"{found} (torch {torch.__version__})")
         return EXIT_OK
-    print(f"compiling the row binder for torch {torch.__version__} (about half a minute)...", file=sys.stderr)
+    print(f"compiling the row binder for torch {torch.__version__} (10-20 s)...", file=sys.stderr)
     began = time.monotonic()
     try:
         built = native_build.build(args.into)

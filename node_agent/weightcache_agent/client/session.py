@@ -79,7 +79,10 @@ class _LeaseThreads:
 
     def _wait_for_watch(self) -> None:
         watch = self._jobs.get()
-        self.keep_one_idle()
+        try:
+            self.keep_one_idle()
+        except RuntimeError:  # out of threads: the next attach starts its own, this watch still runs
+            pass
         watch()
 
 
