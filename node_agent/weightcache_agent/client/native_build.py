@@ -58,9 +58,9 @@ def library_name(build_key: str) -> str:
     return f"_bindtorch-{build_key}.so"
 
 
-def find() -> Path | None:
-    """The build for the running torch, if one exists."""
-    name = library_name(key())
+def find(build_key: str | None = None) -> Path | None:
+    """The build for the running torch (whose `key()` is `build_key`, where known), if one exists."""
+    name = library_name(build_key or key())
     for place in places():
         if (place / name).is_file():
             return place / name
@@ -70,7 +70,8 @@ def find() -> Path | None:
 def load(path: Path | None = None) -> object | None:
     """The row binder's function table (a capsule for `_bindfast.bind`), or None where no build
     matches the running torch or the build will not load. `path`: that build, not `find()`'s."""
-    path = path or find()
+    build_key = key()  # hashes the sources: once per load
+    path = path or find(build_key)
     if path is None:
         return None
     loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
@@ -80,7 +81,7 @@ def load(path: Path | None = None) -> object | None:
         loader.exec_module(module)
     except ImportError:
         return None
-    return module.rows if getattr(module, "built_for", None) == key() else None
+    return module.rows if getattr(module, "built_for", None) == build_key else None
 
 
 def build(into: Path | None = None, compiler: str | None = None) -> Path:

@@ -680,7 +680,7 @@ class Agent:
         if self.cache is None:
             with self._lock:
                 self.misses += 1
-            protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
+            protocol.send_message(conn, self._load_failed())
             return None
         try:
             fields = self._fields_for(request)
@@ -743,6 +743,10 @@ class Agent:
                  seconds * 1e3)
         return lease
 
+    def _load_failed(self) -> dict[str, Any]:
+        """What an attach or an arena request is told when the load failed (an engine may fall back)."""
+        return protocol.error_message("load_failed", f"agent failed to load: {self.error}")
+
     def _arenas(self) -> list[dict[str, Any]]:
         arena = self.cache.arena
         return [{"index": 0, "size": arena.size, "backend": arena.backend, "device": self.device.uuid,
@@ -755,7 +759,7 @@ class Agent:
         if not self._ready.is_set():
             protocol.send_message(conn, protocol.error_message("not_ready", f"the cache is {self.phase}"))
         elif self.cache is None:
-            protocol.send_message(conn, protocol.error_message("load_failed", f"agent failed to load: {self.error}"))
+            protocol.send_message(conn, self._load_failed())
         else:
             protocol.send_message(conn, {"type": "arena", "backend": self.cache.arena.backend,
                                          "arenas": self._arenas()}, [self.cache.arena.fd])
