@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Any, Callable
 
 from weightcache_agent import agent_status
@@ -142,6 +144,19 @@ def in_child_as(uid: int, gid: int, work: Callable[[], dict[str, Any]],
 
 def fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def open_files(pid: int) -> Counter:
+    """What the fds of `pid` are open on, counted by kind ("socket", "/memfd:name (deleted)", a
+    path): comparing two such counts ignores an fd another thread closed meanwhile."""
+    kinds: Counter = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed while listed
+            continue
+        kinds[re.sub(r":\[\d+\]$", "", target)] += 1
+    return kinds
 
 
 def maps_libtorch(pid: int) -> bool:
