@@ -96,6 +96,41 @@ def test_prepare_with_the_socket_maps_the_arena_and_the_attach_binds_into_that_m
             att.close()
 
 
+def test_prepare_finds_the_agent_in_the_environment_the_operator_injects(model, tmp_path, monkeypatch):
+    """Without `socket`, prepare() maps the arena of the agent the attach will find in the
+    environment -- but only where that names one: two devices and no rank map nothing."""
+    from weightcache_agent import prepare
+    from weightcache_agent.client import mapping
+    from weightcache_agent.load.checkpoint import open_checkpoint
+
+    sock = str(tmp_path / "GPU-a.sock")
+    shapes = {n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()}
+    monkeypatch.setenv("WEIGHTCACHE_SOCKET_DIR", str(tmp_path))
+    monkeypatch.setenv("WEIGHTCACHE_DEVICES", "GPU-a,GPU-b")
+    with AgentProcess(model, sock, "--backend", "cpu"):
+        assert "arena" not in prepare("cpu") and not mapping._premapped, "which rank's agent is unknown"
+        assert "arena" in prepare("cpu", rank=0)
+        _attach_takes_the_mapping(model, shapes)
+        monkeypatch.delenv("WEIGHTCACHE_DEVICES")
+        monkeypatch.setenv("WEIGHTCACHE_SOCKET", sock)
+        assert "arena" in prepare("cpu")
+        _attach_takes_the_mapping(model, shapes)
+
+
+def _attach_takes_the_mapping(model: str, shapes: dict) -> None:
+    from weightcache_agent import CacheSpec, attach
+    from weightcache_agent.client import mapping
+    from weightcache_agent.testing.synthetic import skeleton_module
+
+    (_, base, _), = mapping._premapped.values()
+    module = skeleton_module(shapes)
+    att = attach(module, CacheSpec(model=model))  # the socket from the same environment
+    try:
+        assert not mapping._premapped and _bound_in(module, base), "the attach bound into the mapping made ahead"
+    finally:
+        att.close()
+
+
 def test_a_mapping_of_an_arena_since_replaced_is_dropped_and_the_attach_maps_the_new_one(model, tmp_path):
     """The agent restarted between prepare() and attach, now holding other bytes (another dtype):
     the attach must bind the new arena, not the one mapped at prepare()."""

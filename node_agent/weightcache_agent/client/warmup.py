@@ -9,8 +9,9 @@ imported and mapped read-only exactly as an agent's, then bound into a one-param
 so that the engine's real attach is a later attach. An engine calls it while it starts
 (before or while building its model), and may skip it.
 
-Given the agent's socket, `prepare` also maps the agent's arena itself, for the attach to
-take (`mapping.map_ahead`).
+Given the agent's socket -- or finding it in the environment the operator injects, as the
+attach does -- `prepare` also maps the agent's arena itself, for the attach to take
+(`mapping.map_ahead`).
 """
 from __future__ import annotations
 
@@ -22,17 +23,21 @@ import torch
 from torch import nn
 
 from ..arena.cpu import CpuArena, map_readonly
+from .env import ENV_DEVICES, ENV_SOCKET, socket_from_env
 from .mapping import map_ahead
 from .rebind import bind_manifest
 
 _SIZE = 4096
 
 
-def prepare(device: int | str | None = None, socket: str | None = None) -> dict[str, float]:
+def prepare(device: int | str | None = None, socket: str | None = None, rank: int | None = None) -> dict[str, float]:
     """Warm the attach path for `device` ("cpu", a CUDA ordinal, or None: the current CUDA device
-    when CUDA is available, else cpu), and with `socket`, map that agent's arena for the attach
-    to come. Returns seconds per step, for a log line ("arena" only where the arena was mapped:
-    an agent that is absent or still loading is left to the attach)."""
+    when CUDA is available, else cpu), and map the arena of the agent at `socket` for the attach
+    to come. Without `socket`, the agent is the one the attach would find in the environment
+    (`$WEIGHTCACHE_SOCKET`, else this `rank`'s device socket), where that names exactly one:
+    a rank left unsaid with several devices in `$WEIGHTCACHE_DEVICES` maps nothing rather than
+    another GPU's arena. Returns seconds per step, for a log line ("arena" only where the arena
+    was mapped: an agent that is absent or still loading is left to the attach)."""
     from . import session  # the attach module and everything it imports
 
     session.lease_threads.keep_one_idle()  # the attach's lease watcher, started now
@@ -46,11 +51,23 @@ def prepare(device: int | str | None = None, socket: str | None = None) -> dict[
         t1 = time.perf_counter()
         _prepare_cuda(int(str(device).removeprefix("cuda:")))
         took["cuda"] = time.perf_counter() - t1
+    socket = socket or _socket_in_env(rank)
     if socket is not None:
         t2 = time.perf_counter()
         if map_ahead(socket):
             took["arena"] = time.perf_counter() - t2
     return took
+
+
+def _socket_in_env(rank: int | None) -> str | None:
+    """The socket `attach` would use, where the environment names one for this rank; else None."""
+    several = len([d for d in os.environ.get(ENV_DEVICES, "").split(",") if d.strip()]) > 1
+    if rank is None and several and not os.environ.get(ENV_SOCKET):
+        return None
+    try:
+        return socket_from_env(rank or 0)
+    except ValueError:  # no agent named: the engine attaches with an explicit socket, or from disk
+        return None
 
 
 def _cpu_arena() -> tuple[Any, str]:
