@@ -17,16 +17,22 @@ def socket_from_env(rank: int = 0) -> str:
     """The agent socket this engine rank should use, from the environment (see `attach`)."""
     if os.environ.get(ENV_SOCKET):
         return os.environ[ENV_SOCKET]
-    directory, devices = os.environ.get(ENV_SOCKET_DIR), os.environ.get(ENV_DEVICES, "")
+    directory = os.environ.get(ENV_SOCKET_DIR)
     if not directory:
         raise ValueError(f"attach needs socket= (or ${ENV_SOCKET}, or ${ENV_SOCKET_DIR} with ${ENV_DEVICES}) "
                          "in client and daemon mode")
-    uuids = [d.strip() for d in devices.split(",") if d.strip()]
+    uuids = device_uuids()
     if rank >= len(uuids):
-        raise ValueError(f"${ENV_DEVICES}={devices!r} names {len(uuids)} device(s); rank {rank} needs one of its own")
+        raise ValueError(f"${ENV_DEVICES}={os.environ.get(ENV_DEVICES, '')!r} names {len(uuids)} device(s); "
+                         f"rank {rank} needs one of its own")
     if "/" in uuids[rank] or uuids[rank].startswith("."):
         raise ValueError(f"${ENV_DEVICES}: {uuids[rank]!r} is not a device UUID")
     return os.path.join(directory, f"{uuids[rank]}.sock")
+
+
+def device_uuids() -> list[str]:
+    """The device UUIDs of `$WEIGHTCACHE_DEVICES`, one per rank."""
+    return [d.strip() for d in os.environ.get(ENV_DEVICES, "").split(",") if d.strip()]
 
 
 def pod_from_env() -> dict[str, str] | None:

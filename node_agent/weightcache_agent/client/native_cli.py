@@ -33,8 +33,8 @@ def main(argv: list[str]) -> int:
 
     from . import native_build
 
-    found = native_build.find()
     if args.check:
+        found = native_build.find()
         if found is None:
             return refuse(PROG, f"no build for torch {torch.__version__} (key {native_build.key()}); "
                                 f"run {PROG}", EXIT_FAILED)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..arena.cpu import CpuArena, map_readonly
-from .env import ENV_DEVICES, ENV_SOCKET, socket_from_env
+from .env import ENV_SOCKET, device_uuids, socket_from_env
 from .mapping import map_ahead
 from .rebind import bind_manifest
 
@@ -61,8 +61,7 @@ def prepare(device: int | str | None = None, socket: str | None = None, rank: in
 
 def _socket_in_env(rank: int | None) -> str | None:
     """The socket `attach` would use, where the environment names one for this rank; else None."""
-    several = len([d for d in os.environ.get(ENV_DEVICES, "").split(",") if d.strip()]) > 1
-    if rank is None and several and not os.environ.get(ENV_SOCKET):
+    if rank is None and len(device_uuids()) > 1 and not os.environ.get(ENV_SOCKET):
         return None
     try:
         return socket_from_env(rank or 0)
