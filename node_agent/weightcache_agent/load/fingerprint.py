@@ -90,6 +90,7 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
         # the resolved plan (preset name, or hash of the YAML rules), not the flag: same flag, other file
         "sharding": sharding_identity or plan_identity(checkpoint, spec.sharding, spec.tp_size),
         "layout_version": LAYOUT_VERSION,
+        "layout": spec.layout,
     }
     fields.update(environment_fields(device))
     return fields

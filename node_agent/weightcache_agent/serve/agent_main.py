@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
 from ..quantization import ALLOWED, quantization_arg
-from ..spec import DTYPE_CHOICES, CacheSpec
+from ..spec import DTYPE_CHOICES, LAYOUT_CHOICES, CacheSpec
 from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
 
 if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                                          "instead of reading the checkpoint; the disk if that fails")
     p.add_argument("--sharding", help="sharding preset name or YAML rules file (default: chosen from config.json)")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
+    p.add_argument("--layout", choices=LAYOUT_CHOICES, default="file",
+                   help="file: every checkpoint tensor by its own name; vllm: q|k|v and gate|up back to back, served "
+                        "as vLLM's fused qkv_proj / gate_up_proj (zero-copy for --load-format weightcache)")
     p.add_argument("--revision", help="revision label, part of the fingerprint: an engine that names another "
                                       "revision is refused")
     p.add_argument("--handshake-timeout", type=float, default=10.0,
@@ -166,7 +169,7 @@ def main(argv: list[str]) -> int:
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
-                         revision=args.revision)
+                         revision=args.revision, layout=args.layout)
     except UnsupportedQuantization as e:
         return refuse(PROG, str(e), EXIT_USAGE)
     except ValueError as e:

@@ -75,7 +75,7 @@ def write_record(path: str, prepared: Any) -> None:
         signature, revision, kinds = prepared.signature, prepared.revision, layout.kinds
     else:
         signature, revision = prepared.checkpoint.signature, prepared.checkpoint.revision
-        kinds = [slot.kind for slot in layout.slots]
+        kinds = [slot.kind for slot in layout.rows]
     write_private(path, {
         "version": RECORD_VERSION, "package": __version__, "layout_version": LAYOUT_VERSION,
         "spec": prepared.spec.to_json(), "signature": signature, "revision": revision,

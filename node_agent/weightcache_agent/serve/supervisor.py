@@ -89,6 +89,7 @@ class NodeConfig:
     revision: str | None = None
     sharding: str | None = None
     expert_parallel: bool = False
+    layout: str = "file"
     handshake_timeout: float = 10.0
     log_format: str = "text"
     node_name: str = ""
@@ -112,6 +113,8 @@ class NodeConfig:
             argv += ["--sharding", self.sharding]
         if self.expert_parallel:
             argv.append("--expert-parallel")
+        if self.layout != "file":
+            argv += ["--layout", self.layout]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
         if peer is not None:
@@ -590,7 +593,7 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
-                        sharding=args.sharding, expert_parallel=args.expert_parallel,
+                        sharding=args.sharding, expert_parallel=args.expert_parallel, layout=args.layout,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
                         socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods)
     metrics = AgentMetrics()

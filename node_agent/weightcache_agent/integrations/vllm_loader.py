@@ -1,0 +1,309 @@
+"""The `weightcache` load format for vLLM: the model's weights are views of the agent's arena.
+
+`WeightcacheModelLoader.load_model`, in each tensor-parallel worker:
+  1. builds vLLM's model with every parameter on the meta device and every buffer real
+     (rotary tables, attention scales are computed by the model as usual): parameters are
+     moved to meta as they are registered, keeping their class and vLLM's attributes;
+  2. attaches this rank's arena (its own socket, its own lease) with `CacheSpec(layout="vllm")`:
+     the agent lays q|k|v and gate|up back to back, so vLLM's fused `qkv_proj` and
+     `gate_up_proj` are one view each. A fused parameter whose parts the cache serves apart
+     (a model whose `packed_modules_mapping` the layout does not know, an incomplete group)
+     is assembled by copying, and counted;
+  3. runs vLLM's post-load processing with nothing that would rewrite an arena tensor: on CPU
+     the linear layers stay on `F.linear` instead of oneDNN's repacked copy (the arena is
+     read-only, and a repack is a private copy of every weight); on CUDA unquantized layers
+     process nothing;
+  4. counts parameter bytes that are arena views and bytes that are copies, logs them in one
+     line and exports them as Prometheus gauges.
+A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
+vLLM's default loader with one WARNING naming the reason, or, with `"fallback": false`,
+fails with that reason in one ERROR line.
+
+Options (`--model-loader-extra-config`): `socket` (the agent's socket; `{rank}` is replaced
+by the tensor-parallel rank; default: the environment the operator injects, see `attach`),
+`fallback` (default true), `timeout` (seconds to wait for an agent still loading, default
+600), `revision` (the revision label the agent must serve).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm.config import ModelConfig, VllmConfig
+from vllm.config.load import LoadConfig
+from vllm.logger import init_logger
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import set_default_torch_dtype
+
+from ..client.materialize import Materialize, Pending
+from ..client.session import Attachment, attach
+from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
+from ..load.layout import LAYOUTS
+from ..protocol import agent_status
+from ..spec import CacheSpec
+
+# under vLLM's own logger tree, so the lines show where vLLM's do, in its format
+log = init_logger("vllm.model_executor.model_loader.weightcache")
+_swap = torch._C._swap_tensor_impl
+OPTIONS = {"socket": str, "fallback": bool, "timeout": (int, float), "revision": str}
+
+
+class NotServable(Exception):
+    """This engine's configuration has no weightcache equivalent (the reason is the message)."""
+
+
+# What a miss looks like: anything the agent or its answer can be, and models the cache cannot serve.
+MISSES = (AgentUnavailable, FingerprintMismatch, ProtocolError, AttachError, WeightCacheError, TimeoutError,
+          ConnectionError, EOFError, NotServable)
+
+
+class WeightcacheModelLoader(BaseModelLoader):
+    """`--load-format weightcache` (see the module docstring)."""
+
+    def __init__(self, load_config: LoadConfig):
+        super().__init__(load_config)
+        options = dict(load_config.model_loader_extra_config or {})
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} for load format "
+                             f"weightcache (known: {', '.join(OPTIONS)})")
+        for key, value in options.items():
+            if not isinstance(value, OPTIONS[key]) or (key == "timeout" and isinstance(value, bool)):
+                raise ValueError(f"--model-loader-extra-config: {key} must be a {_kind(OPTIONS[key])}, got {value!r}")
+        self.socket: str | None = options.get("socket")
+        self.fallback: bool = options.get("fallback", True)
+        self.timeout = float(options.get("timeout", 600.0))
+        self.revision: str | None = options.get("revision")
+        self.attachment: Attachment | None = None
+
+    # -- vLLM's loader API ---------------------------------------------------------------------
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """Nothing to download: the agent reads the checkpoint; a fallback downloads as vLLM does."""
+
+    def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
+        """The arena bytes this rank will map (vLLM sizes its KV cache without them); 0 on a miss."""
+        if self.attachment is not None:
+            return self.attachment.nbytes
+        try:
+            status = agent_status(self._socket(get_tensor_model_parallel_rank()))
+        except (WeightCacheError, OSError, ValueError):
+            return 0
+        return int(status.get("arena_bytes") or 0)
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        """A reload into an already built model copies from the cache (its parameters are the model's own)."""
+        DefaultModelLoader(self._default_config()).load_weights(model, model_config)
+
+    def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
+        rank = get_tensor_model_parallel_rank()
+        started = time.perf_counter()
+        # layers register by name as they are built: a fallback builds the model again
+        layers = vllm_config.compilation_config.static_forward_context
+        known = set(layers)
+        try:
+            spec = self._spec(vllm_config, model_config, rank)
+            socket = self._socket(rank)
+            model, device = self._build(vllm_config, model_config, prefix)
+            copier = _FusedCopies(model)
+            self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
+                                     materialize=copier.materialize)
+        except MISSES as e:
+            reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
+            for name in set(layers) - known:
+                del layers[name]
+            return self._miss(reason, vllm_config, model_config, prefix)
+        with set_default_torch_dtype(model_config.dtype):
+            _keep_cpu_weights_unpacked(model, device)
+            process_weights_after_loading(model, model_config, device)
+        model._weightcache = self.attachment  # the lease lives as long as the model
+        views, copies = _view_bytes(model, self.attachment)
+        seconds = time.perf_counter() - started
+        log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s)",
+                 os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket or "the environment",
+                 seconds, _size(views), _size(copies), ", ".join(copier.copied) or "no copies")
+        _metrics().record(source="agent", reason="", views=views, copies=copies)
+        return model.eval()
+
+    # -- steps ---------------------------------------------------------------------------------
+
+    def _spec(self, vllm_config: VllmConfig, model_config: ModelConfig, rank: int) -> CacheSpec:
+        if not os.path.isdir(model_config.model):
+            raise NotServable(f"{model_config.model!r} is not a local directory (the agent reads a checkpoint "
+                              "directory on the node)")
+        if get_pp_group().world_size > 1:
+            raise NotServable("pipeline parallelism is not served from the cache (tensor parallelism is)")
+        if model_config.quantization:
+            raise NotServable(f"vLLM quantization {model_config.quantization!r} is not bound from the cache yet: its "
+                              "linear methods repack weights after loading (serve an unquantized checkpoint)")
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        return CacheSpec(model=model_config.model, tp_size=get_tensor_model_parallel_world_size(), tp_rank=rank,
+                         dtype=dtype, revision=self.revision, layout="vllm")
+
+    def _socket(self, rank: int) -> str | None:
+        return self.socket.replace("{rank}", str(rank)) if self.socket else None
+
+    def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> tuple[nn.Module, torch.device]:
+        device_config = vllm_config.device_config
+        device = torch.device(device_config.device if self.load_config.device is None else self.load_config.device)
+        with set_default_torch_dtype(model_config.dtype), device, parameters_on_meta():
+            model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        return model, device
+
+    def _miss(self, reason: str, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+        where = self.socket or "the environment's agent"
+        if not self.fallback:
+            line = f"weightcache: cannot attach {model_config.model} from {where}: {reason} (fallback is off)"
+            log.error("%s", line)
+            raise RuntimeError(line) from None
+        log.warning("weightcache: cache miss for %s (%s): %s; loading from disk with vLLM's default loader",
+                    model_config.model, where, reason)
+        _metrics().record(source="disk", reason=reason.split(":", 1)[0], views=0, copies=0)
+        return DefaultModelLoader(self._default_config()).load_model(vllm_config, model_config, prefix)
+
+    def _default_config(self) -> LoadConfig:
+        return dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every parameter registered meanwhile moves to the meta device as it is registered, in place
+    (its class, and the attributes vLLM hangs on it, stay); buffers stay where they are made."""
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            _swap(param, torch.empty_like(param, device="meta"))
+
+    nn.Module.register_parameter = register_parameter
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+class _FusedCopies:
+    """Fused parameters whose parts the cache serves apart are assembled by copying, and named.
+
+    The cache's layout fuses what `LAYOUTS["vllm"]` knows; a model may fuse more (its
+    `packed_modules_mapping`), or a group may be incomplete in the cache: those parts are
+    claimed from the bind and concatenated into the model's fused parameter."""
+
+    def __init__(self, model: nn.Module):
+        self.copied: list[str] = []
+        fusions = {f.fused: f.parts for f in LAYOUTS["vllm"]}
+        fusions.update({k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()})
+        self.part_of = {part: fused for fused, parts in fusions.items() for part in parts}
+        self.fusions = fusions
+        self.declared = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+        self.materialize = Materialize(fill=self._fill, claim=self._claim, places=self._places)
+
+    def _place(self, name: str) -> str | None:
+        """The model's fused parameter that cache tensor `name` is a part of, if it declares one."""
+        module_name, _, leaf = name.rpartition(".")
+        prefix, _, part = module_name.rpartition(".")
+        fused = self.part_of.get(part)
+        place = f"{prefix}.{fused}.{leaf}" if fused else None
+        return place if place in self.declared else None
+
+    def _claim(self, name: str) -> bool:
+        return self._place(name) is not None
+
+    def _places(self, model: nn.Module, claimed: list[str]) -> list[str]:
+        return [self._place(name) for name in claimed]
+
+    def _fill(self, model: nn.Module, pending: Pending) -> None:
+        for place in pending.places:
+            module_name, _, leaf = place.rpartition(".")
+            prefix, _, fused = module_name.rpartition(".")
+            names = [f"{prefix}.{part}.{leaf}" for part in self.fusions[fused]]
+            missing = [n for n in names if n not in pending.claimed]
+            if missing:
+                raise AttachError(f"cannot attach: {place}: the cache holds no {', '.join(missing)} to assemble it from")
+            current = model.get_submodule(module_name)._parameters[leaf]
+            _swap(current, torch.cat([pending.claimed[n] for n in names]).to(pending.device))
+            self.copied.append(place)
+
+
+def _keep_cpu_weights_unpacked(model: nn.Module, device: torch.device) -> None:
+    """On CPU, vLLM repacks each linear weight for oneDNN into a private copy (and drops the
+    original): keep the arena's weights on `F.linear` instead, shared and read-only."""
+    if device.type != "cpu" or not current_platform.is_cpu():
+        return
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module._cpu_skip_gemm_dispatch = True
+        elif isinstance(module, VocabParallelEmbedding) and module.quant_method is not None:
+            # embeddings and the LM head: their method repacks unconditionally; the lookup itself needs no repack
+            method = module.quant_method
+            method.process_weights_after_loading = lambda layer: setattr(layer, "cpu_linear", F.linear)
+
+
+def _view_bytes(model: nn.Module, attachment: Attachment) -> tuple[int, int]:
+    """Parameter bytes inside the mapped arena, and outside it, once post-processing is done."""
+    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in attachment.tensors.values()]
+    lo = min(start for start, _ in spans)
+    hi = max(start + n for start, n in spans)
+    views = copies = 0
+    for param in dict.fromkeys(model.parameters()):
+        n = param.numel() * param.element_size()
+        if lo <= param.data_ptr() < hi:
+            views += n
+        else:
+            copies += n
+    return views, copies
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _kind(kind: Any) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("number" if k in (int, float) else k.__name__ for k in kinds)
+
+
+class _Metrics:
+    """`weightcache_vllm_loads_total{source,reason}` and the bytes of the last attach, views and copies."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge
+
+        self.loads = Counter("weightcache_vllm_loads", "vLLM model loads by --load-format weightcache, by where the "
+                             "weights came from (agent, or disk on a miss) and the miss's reason", ["source", "reason"])
+        self.bytes = Gauge("weightcache_vllm_weight_bytes", "Parameter bytes of the loaded model that are arena views "
+                           "(kind=view) or private copies (kind=copy)", ["kind"], multiprocess_mode="liveall")
+
+    def record(self, source: str, reason: str, views: int, copies: int) -> None:
+        self.loads.labels(source, reason).inc()
+        self.bytes.labels("view").set(views)
+        self.bytes.labels("copy").set(copies)
+
+
+_metrics_instance: _Metrics | None = None
+
+
+def _metrics() -> _Metrics:
+    global _metrics_instance
+    if _metrics_instance is None:
+        _metrics_instance = _Metrics()
+    return _metrics_instance

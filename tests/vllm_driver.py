@@ -1,0 +1,48 @@
+"""Runs vLLM (inside the vLLM virtual environment) for tests/test_vllm.py and prints what it served.
+
+    python vllm_driver.py '<json list of runs>'
+
+Each run: {"model": DIR, "dtype": "bfloat16", "tp": 1, "load_format": "auto" | "weightcache",
+"extra": {...} (--model-loader-extra-config), "prompts": [[token ids], ...], "max_tokens": 8}.
+One line per run on stdout: `RESULT {"tokens": [[...], ...], "text": [...]}` or
+`RESULT {"error": "..."}`. With tp 1 the runs share this process (vLLM's in-process engine,
+torn down between runs); tp > 1 runs vLLM's multi-process engine.
+"""
+import gc
+import json
+import os
+import sys
+
+
+def run_one(run: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if run.get("load_format", "auto") != "auto":
+        kwargs = dict(load_format=run["load_format"], model_loader_extra_config=run.get("extra") or {})
+    try:
+        llm = LLM(model=run["model"], dtype=run.get("dtype", "bfloat16"), tensor_parallel_size=run.get("tp", 1),
+                  max_model_len=256, enforce_eager=True, kv_cache_memory_bytes=32 << 20, seed=0,
+                  distributed_executor_backend="mp" if run.get("tp", 1) > 1 else None, **kwargs)
+    except Exception as e:  # noqa: BLE001 -- the test asserts on the message
+        return {"error": f"{type(e).__name__}: {e}"}
+    params = SamplingParams(max_tokens=run.get("max_tokens", 8), temperature=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in run["prompts"]], params, use_tqdm=False)
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "text": [o.outputs[0].text for o in outs]}
+    llm.llm_engine.engine_core.shutdown() if hasattr(llm.llm_engine, "engine_core") else None
+    del llm, outs
+    gc.collect()
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    return result
+
+
+def main() -> None:
+    for run in json.loads(sys.argv[1]):
+        print("RESULT " + json.dumps(run_one(run)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
