@@ -111,6 +111,23 @@ def write_llama_checkpoint(directory: str, shape: LlamaShape | None = None, dtyp
     return write_checkpoint(directory, llama_tensors(shape, dtype, seed), shape.config(dtype), shards)
 
 
+def write_word_tokenizer(directory: str, vocab_size: int) -> None:
+    """A word-level tokenizer for a synthetic checkpoint: tokens `w3` ... `w<vocab_size - 1>` split on
+    whitespace, plus `<unk>`, `<s>`, `</s>`. Made offline (the `tokenizers` package, which
+    transformers and vLLM bring), so an engine that needs a tokenizer (vLLM's OpenAI server)
+    serves the checkpoint without a download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "model_max_length": 4096}, f, indent=1)
+
+
 def skeleton_module(tensors: dict[str, tuple[tuple[int, ...], Any]]) -> torch.nn.Module:
     """A module tree on the meta device with one parameter per name (name -> (shape, dtype: torch's or a
     checkpoint record's)).
