@@ -64,22 +64,33 @@ MAX_FDS = 64  # what a client accepts with a manifest
 # only on the first segment of its frame; anything more is closed by the kernel or by us.
 MAX_REQUEST_FDS = 4
 MAX_JSON_DEPTH = 32  # far deeper than any message of ours nests
+# What one request may build, counted before it is parsed: every '{', '[' and ',' of the body
+# (each at most one container or one element). A real request has a few dozen; a 1 MiB body of
+# `[{},{},...]` has 350 000 and would build ~50 MB of objects. Brackets and commas inside strings
+# count too: the count is an upper bound, cheap because it runs at C speed over the bytes.
+MAX_REQUEST_ITEMS = 4096
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
                  encoded: dict[str, bytes] | None = None, payload: bytes | None = None) -> None:
     """Send one frame. `encoded` adds members already serialised to JSON (a cached manifest);
     `payload` follows as a binary frame (see `recv_payload`), in the same system call."""
+    data = encode_message(message, encoded, payload)
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # fds ride on the first bytes
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def encode_message(message: dict[str, Any], encoded: dict[str, bytes] | None = None,
+                   payload: bytes | None = None) -> bytes:
+    """One frame's bytes (and the binary frame of `payload` after it), as `send_message` sends them."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if encoded:
         body = body[:-1] + b"".join(b',"%s":%s' % (key.encode(), value) for key, value in encoded.items()) + b"}"
     parts = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body)), body]
     if payload is not None:
         parts += [HEADER.pack(PAYLOAD_MAGIC, PROTOCOL_VERSION, 0, len(payload)), payload]
-    data = b"".join(parts)
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # fds ride on the first bytes
-    if sent < len(data):
-        sock.sendall(memoryview(data)[sent:])
+    return b"".join(parts)
 
 
 def recv_payload(sock: socket.socket, length: int, deadline: float | None = None) -> bytearray:
@@ -93,13 +104,16 @@ def recv_payload(sock: socket.socket, length: int, deadline: float | None = None
 
 
 def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline: float | None = None,
-                 max_depth: int | None = MAX_JSON_DEPTH) -> tuple[dict[str, Any], list[int]]:
+                 max_depth: int | None = MAX_JSON_DEPTH, max_items: int | None = None,
+                 parse_gate: Any = None) -> tuple[dict[str, Any], list[int]]:
     """Read one frame. Returns (message, fds); the caller owns the fds.
 
     fds are taken only with the first bytes of a frame: a peer that attaches more to later
     segments gets a `ProtocolError` and every fd it sent is closed. `deadline` (a
     `time.monotonic()` value) bounds the whole frame, however slowly its bytes arrive;
-    past it, `socket.timeout` is raised. `max_depth`: see `parse_json`.
+    past it, `socket.timeout` is raised. `max_depth`, `max_items`: see `parse_json`.
+    `parse_gate` (a semaphore, or anything usable in `with`) is held while the body is parsed:
+    the agent bounds how many frames build their objects at once.
     """
     header = bytearray()
     fds: list[int] = []
@@ -121,7 +135,11 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
         body = _recv_exact(sock, length, deadline)
-        message = decode_body(body, max_depth)
+        if parse_gate is None:
+            message = decode_body(body, max_depth, max_items)
+        else:
+            with parse_gate:
+                message = decode_body(body, max_depth, max_items)
         return message, fds
     except BaseException:
         for fd in fds:
@@ -129,7 +147,7 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline
         raise
 
 
-def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
+def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH, max_items: int | None = None) -> Any:
     """JSON from a peer, or `ValueError` with one line saying why not ("is not valid JSON: ...").
 
     Nesting deeper than `max_depth` and integers too long to convert are refused like any
@@ -138,7 +156,14 @@ def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
     versions (3.11 stops near 1000 levels, 3.12 goes past 5000). None skips the check, for a
     manifest from the agent: walking its thousands of rows would cost every attach a
     millisecond, and a client trusts the agent with its weights anyway.
+
+    `max_items` bounds what the parse may build, checked before anything is built: the body's
+    '{', '[' and ',' bytes counted together (an upper bound on its containers and elements).
     """
+    if max_items is not None:
+        items = body.count(b"{") + body.count(b"[") + body.count(b",")
+        if items > max_items:
+            raise ValueError(f"has too many elements ({items} brackets and commas; at most {max_items})")
     try:
         value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -166,10 +191,11 @@ def _nesting(value: Any, limit: int) -> int:
     return deepest
 
 
-def decode_body(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> dict[str, Any]:
+def decode_body(body: bytes, max_depth: int | None = MAX_JSON_DEPTH,
+                max_items: int | None = None) -> dict[str, Any]:
     """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not."""
     try:
-        message = parse_json(body, max_depth)
+        message = parse_json(body, max_depth, max_items)
     except ValueError as e:
         raise ProtocolError(f"frame body {e}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
