@@ -15,10 +15,14 @@ Messages (client -> agent):
       role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
-  {"type": "arena"}                                    -> {"type": "arena", "backend", "arenas"} + fds: the
-      arena without a lease or manifest, for an engine to map while it starts (`prepare`); each
-      arena's "id" (also in every manifest) tells its attach whether that mapping is of the same
-      arena. An agent still loading answers {"type": "error", "code": "not_ready"}.
+  {"type": "arena", "role"?, "group"?}                 -> {"type": "arena", "backend", "arenas"} + fds: the
+      arena ahead of a lease, for an engine to map while it starts (`prepare`); each arena's "id"
+      (also in every manifest) tells its attach whether that mapping is of the same arena. Admitted
+      as an attach is (socket policy, group owner, the uid's lease cap, which a hand-out counts
+      against until that pid attaches or a minute passes). An agent still loading answers
+      {"type": "error", "code": "not_ready"}; one replacing a changed arena waits for the new one.
+  {"type": "verify"}                                   -> {"type": "verified", "ok", "seconds", "bytes",
+      "integrity"}: the arena checked against its keyed digest now (privileged peers only).
   {"type": "detach"}                                   -> the lease ends cleanly
   {"type": "promoted"}                                 on a lease: the answer to "promote", sent once
       the engine serves as primary; until then the agent reports the lease as "promoting".
@@ -27,9 +31,10 @@ Messages (client -> agent):
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
       to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
   {"type": "rejoin", "role", "group", "pod", "token", "fields", "fingerprint", "layout_hash", "arenas"} + fds
-      -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
-      offers the arena it still maps; a restarted agent adopts it instead of reading the disk --
-      only when `token` is the `rejoin_token` its predecessor put in this engine's manifest.
+      -> {"type": "rejoined", "adopted": bool, "rejoin_token"}: an engine that outlived its agent
+      reconnects and offers the arena it still maps; a restarted agent adopts it instead of reading
+      the disk -- only when `token` is the `rejoin_token` its predecessor gave this engine (each is
+      used once; the reply carries the next) and the arena digests to what the predecessor recorded.
 Errors: {"type": "error", "code": str, "message": str, ...}.
 An attach's request may carry "sharding_identity" (the plan identity of an engine's own rules
 file): the agent compares identities and never opens a path a client names. A "pid" in a
@@ -320,10 +325,15 @@ def raise_on_error(reply: dict[str, Any], where: object) -> None:
 
 def agent_status(path: str, timeout: float = 10.0) -> dict[str, Any]:
     """The agent's status document (phase, fingerprint, bytes, tensors, clients, ...)."""
+    return agent_request(path, {"type": "status"}, timeout)
+
+
+def agent_request(path: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """One request without fds on a fresh connection, and its reply; an error reply raised."""
     conn = connect(path)
     try:
         conn.settimeout(timeout)
-        send_message(conn, {"type": "status"})
+        send_message(conn, message)
         reply, _ = recv_message(conn, MAX_REPLY_BYTES)
         raise_on_error(reply, path)
         return reply
