@@ -18,7 +18,12 @@ proof. Each lease gets a random token in its manifest reply; the agent records t
 hash with the peer's uid and pid in its state file (0600, written before the
 manifest goes out). A restarted agent reads that file once, and adopts an arena only from
 a peer that presents a recorded token with matching credentials, offering exactly one fd
-of exactly the layout's size. Anyone else's rejoin is refused without saying why.
+of exactly the layout's size, whose bytes digest (with the key the predecessor recorded)
+to what it loaded. Anyone else's rejoin is refused without saying why.
+
+The arena's integrity: every fill is digested with a secret key before anyone gets the
+handle, re-checked on a paced schedule and on demand (serve/integrity.py), and an arena
+found changed is no longer handed out but replaced by a fresh fill.
 """
 from __future__ import annotations
 
@@ -1106,12 +1111,10 @@ class Agent:
             if role == "auto":
                 role = "standby" if has_primary else "primary"
             refusal = self._admission(uid, pid, group)
-            if refusal is not None:
-                pass
-            elif role == "primary" and has_primary:
+            if refusal is None and role == "primary" and has_primary:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
-            else:
+            if refusal is None:
                 lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
                 self._leases[lease.id] = lease
                 self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up
