@@ -41,7 +41,10 @@ def agent(model, disk, tmp_path_factory):
     base = tmp_path_factory.mktemp("abuse")
     proc = LoggedAgent(model, str(base / "run" / "agent.sock"), str(base / "agent.log"),
                        "--handshake-timeout", str(HANDSHAKE), "--max-pending", str(MAX_PENDING),
-                       "--max-leases", str(MAX_LEASES))
+                       "--max-leases", str(MAX_LEASES),
+                       # one uid plays every part here: the caps under test are the agent's, not a uid's share
+                       "--max-leases-per-uid", str(MAX_LEASES), "--max-pending-per-uid", str(MAX_PENDING),
+                       "--max-connections-per-uid", "100000")
     proc.wait_ready()
     serves_correctly(proc, disk)  # warm: the first attach's allocations are not a leak
     proc.baseline_fds = proc.fds()
@@ -208,12 +211,15 @@ def test_a_lease_whose_state_cannot_be_written_is_rolled_back(agent, model, heal
 
 
 @pytest.mark.parametrize("body,expected", [
-    (b'{"type":"status","x":' + b"[" * 5000 + b"]" * 5000 + b"}", "nests too deeply"),
+    # more brackets than a request may build: refused before it is parsed
+    (b'{"type":"status","x":' + b"[" * 5000 + b"]" * 5000 + b"}", "too many elements"),
     # deep enough to refuse, shallow enough that every interpreter's parser accepts it
     (b'{"type":"status","x":' + b"[" * 100 + b"]" * 100 + b"}", "nests too deeply"),
     (b'{"type":"attach","pid":' + b"9" * 5000 + b"}", "not acceptable JSON"),
     (b'{"type":"attach","role":"primary","group":null,"request":{"spec":' + b'{"a":' * 5000 + b"1"
-     + b"}" * 5000 + b"}}", "nests too deeply"),
+     + b"}" * 5000 + b"}}", "too many elements"),
+    (b'{"type":"attach","role":"primary","group":null,"request":{"spec":' + b'{"a":' * 200 + b"1"
+     + b"}" * 200 + b"}}", "nests too deeply"),
 ])
 def test_deep_nesting_and_huge_integers_get_a_protocol_error(agent, body, expected, healthy_after):
     s = raw(agent.socket)

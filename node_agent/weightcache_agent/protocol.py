@@ -15,10 +15,14 @@ Messages (client -> agent):
       role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
-  {"type": "arena"}                                    -> {"type": "arena", "backend", "arenas"} + fds: the
-      arena without a lease or manifest, for an engine to map while it starts (`prepare`); each
-      arena's "id" (also in every manifest) tells its attach whether that mapping is of the same
-      arena. An agent still loading answers {"type": "error", "code": "not_ready"}.
+  {"type": "arena", "role"?, "group"?}                 -> {"type": "arena", "backend", "arenas"} + fds: the
+      arena ahead of a lease, for an engine to map while it starts (`prepare`); each arena's "id"
+      (also in every manifest) tells its attach whether that mapping is of the same arena. Admitted
+      as an attach is (socket policy, group owner, the uid's lease cap, which a hand-out counts
+      against until that pid attaches or a minute passes). An agent still loading answers
+      {"type": "error", "code": "not_ready"}; one replacing a changed arena waits for the new one.
+  {"type": "verify"}                                   -> {"type": "verified", "ok", "seconds", "bytes",
+      "integrity"}: the arena checked against its keyed digest now (privileged peers only).
   {"type": "detach"}                                   -> the lease ends cleanly
   {"type": "promoted"}                                 on a lease: the answer to "promote", sent once
       the engine serves as primary; until then the agent reports the lease as "promoting".
@@ -27,9 +31,10 @@ Messages (client -> agent):
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
       to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
   {"type": "rejoin", "role", "group", "pod", "token", "fields", "fingerprint", "layout_hash", "arenas"} + fds
-      -> {"type": "rejoined", "adopted": bool}: an engine that outlived its agent reconnects and
-      offers the arena it still maps; a restarted agent adopts it instead of reading the disk --
-      only when `token` is the `rejoin_token` its predecessor put in this engine's manifest.
+      -> {"type": "rejoined", "adopted": bool, "rejoin_token"}: an engine that outlived its agent
+      reconnects and offers the arena it still maps; a restarted agent adopts it instead of reading
+      the disk -- only when `token` is the `rejoin_token` its predecessor gave this engine (each is
+      used once; the reply carries the next) and the arena digests to what the predecessor recorded.
 Errors: {"type": "error", "code": str, "message": str, ...}.
 An attach's request may carry "sharding_identity" (the plan identity of an engine's own rules
 file): the agent compares identities and never opens a path a client names. A "pid" in a
@@ -64,22 +69,33 @@ MAX_FDS = 64  # what a client accepts with a manifest
 # only on the first segment of its frame; anything more is closed by the kernel or by us.
 MAX_REQUEST_FDS = 4
 MAX_JSON_DEPTH = 32  # far deeper than any message of ours nests
+# What one request may build, counted before it is parsed: every '{', '[' and ',' of the body
+# (each at most one container or one element). A real request has a few dozen; a 1 MiB body of
+# `[{},{},...]` has 350 000 and would build ~50 MB of objects. Brackets and commas inside strings
+# count too: the count is an upper bound, cheap because it runs at C speed over the bytes.
+MAX_REQUEST_ITEMS = 4096
 
 
 def send_message(sock: socket.socket, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (),
                  encoded: dict[str, bytes] | None = None, payload: bytes | None = None) -> None:
     """Send one frame. `encoded` adds members already serialised to JSON (a cached manifest);
     `payload` follows as a binary frame (see `recv_payload`), in the same system call."""
+    data = encode_message(message, encoded, payload)
+    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # fds ride on the first bytes
+    if sent < len(data):
+        sock.sendall(memoryview(data)[sent:])
+
+
+def encode_message(message: dict[str, Any], encoded: dict[str, bytes] | None = None,
+                   payload: bytes | None = None) -> bytes:
+    """One frame's bytes (and the binary frame of `payload` after it), as `send_message` sends them."""
     body = json.dumps(message, separators=(",", ":")).encode()
     if encoded:
         body = body[:-1] + b"".join(b',"%s":%s' % (key.encode(), value) for key, value in encoded.items()) + b"}"
     parts = [HEADER.pack(MAGIC, PROTOCOL_VERSION, 0, len(body)), body]
     if payload is not None:
         parts += [HEADER.pack(PAYLOAD_MAGIC, PROTOCOL_VERSION, 0, len(payload)), payload]
-    data = b"".join(parts)
-    sent = socket.send_fds(sock, [data], list(fds)) if fds else 0  # fds ride on the first bytes
-    if sent < len(data):
-        sock.sendall(memoryview(data)[sent:])
+    return b"".join(parts)
 
 
 def recv_payload(sock: socket.socket, length: int, deadline: float | None = None) -> bytearray:
@@ -93,13 +109,16 @@ def recv_payload(sock: socket.socket, length: int, deadline: float | None = None
 
 
 def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline: float | None = None,
-                 max_depth: int | None = MAX_JSON_DEPTH) -> tuple[dict[str, Any], list[int]]:
+                 max_depth: int | None = MAX_JSON_DEPTH, max_items: int | None = None,
+                 parse_gate: Any = None) -> tuple[dict[str, Any], list[int]]:
     """Read one frame. Returns (message, fds); the caller owns the fds.
 
     fds are taken only with the first bytes of a frame: a peer that attaches more to later
     segments gets a `ProtocolError` and every fd it sent is closed. `deadline` (a
     `time.monotonic()` value) bounds the whole frame, however slowly its bytes arrive;
-    past it, `socket.timeout` is raised. `max_depth`: see `parse_json`.
+    past it, `socket.timeout` is raised. `max_depth`, `max_items`: see `parse_json`.
+    `parse_gate` (a semaphore, or anything usable in `with`) is held while the body is parsed:
+    the agent bounds how many frames build their objects at once.
     """
     header = bytearray()
     fds: list[int] = []
@@ -121,7 +140,11 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline
         if length > max_bytes:
             raise ProtocolError(f"frame of {length} bytes exceeds the cap of {max_bytes} bytes")
         body = _recv_exact(sock, length, deadline)
-        message = decode_body(body, max_depth)
+        if parse_gate is None:
+            message = decode_body(body, max_depth, max_items)
+        else:
+            with parse_gate:
+                message = decode_body(body, max_depth, max_items)
         return message, fds
     except BaseException:
         for fd in fds:
@@ -129,7 +152,7 @@ def recv_message(sock: socket.socket, max_bytes: int, max_fds: int = 0, deadline
         raise
 
 
-def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
+def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH, max_items: int | None = None) -> Any:
     """JSON from a peer, or `ValueError` with one line saying why not ("is not valid JSON: ...").
 
     Nesting deeper than `max_depth` and integers too long to convert are refused like any
@@ -138,7 +161,14 @@ def parse_json(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> Any:
     versions (3.11 stops near 1000 levels, 3.12 goes past 5000). None skips the check, for a
     manifest from the agent: walking its thousands of rows would cost every attach a
     millisecond, and a client trusts the agent with its weights anyway.
+
+    `max_items` bounds what the parse may build, checked before anything is built: the body's
+    '{', '[' and ',' bytes counted together (an upper bound on its containers and elements).
     """
+    if max_items is not None:
+        items = body.count(b"{") + body.count(b"[") + body.count(b",")
+        if items > max_items:
+            raise ValueError(f"has too many elements ({items} brackets and commas; at most {max_items})")
     try:
         value = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -166,10 +196,11 @@ def _nesting(value: Any, limit: int) -> int:
     return deepest
 
 
-def decode_body(body: bytes, max_depth: int | None = MAX_JSON_DEPTH) -> dict[str, Any]:
+def decode_body(body: bytes, max_depth: int | None = MAX_JSON_DEPTH,
+                max_items: int | None = None) -> dict[str, Any]:
     """A frame body as a JSON object with a string "type", or `ProtocolError` saying why not."""
     try:
-        message = parse_json(body, max_depth)
+        message = parse_json(body, max_depth, max_items)
     except ValueError as e:
         raise ProtocolError(f"frame body {e}") from None
     if not isinstance(message, dict) or not isinstance(message.get("type"), str):
@@ -294,10 +325,15 @@ def raise_on_error(reply: dict[str, Any], where: object) -> None:
 
 def agent_status(path: str, timeout: float = 10.0) -> dict[str, Any]:
     """The agent's status document (phase, fingerprint, bytes, tensors, clients, ...)."""
+    return agent_request(path, {"type": "status"}, timeout)
+
+
+def agent_request(path: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """One request without fds on a fresh connection, and its reply; an error reply raised."""
     conn = connect(path)
     try:
         conn.settimeout(timeout)
-        send_message(conn, {"type": "status"})
+        send_message(conn, message)
         reply, _ = recv_message(conn, MAX_REPLY_BYTES)
         raise_on_error(reply, path)
         return reply

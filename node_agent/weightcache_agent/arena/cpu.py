@@ -18,6 +18,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from ..errors import OutOfMemory
+from .digest import CPU_ALGORITHM, CPU_SEGMENT_BYTES, ArenaDigest, cpu_segment, digest_all, segment_count, segment_range
 
 # madvise(MADV_POPULATE_WRITE), Linux 5.14+: fault a range in writable without touching it.
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
@@ -98,6 +99,7 @@ class CpuArena:
         self.size = size
         self.reserved_upfront = reserve or fd is not None
         self._mapping: mmap.mmap | None = None
+        self._reader: mmap.mmap | None = None  # read-only, for digests once sealed
         if fd is not None:  # an arena handed back by an engine
             self.fd = fd
             return
@@ -117,10 +119,13 @@ class CpuArena:
 
     @classmethod
     def adopt(cls, fd: int, size: int) -> "CpuArena":
-        """Take over an arena an engine hands back; it must be sealed against writes and big enough."""
+        """Take over an arena an engine hands back: sealed as the agent seals its own (write, grow,
+        shrink and the seals themselves: a memfd sealed against writes alone can still be truncated
+        to zeroes) and of the layout's size. Its content is the caller's to verify (`digest`)."""
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        if not seals & fcntl.F_SEAL_WRITE:
-            raise ValueError("offered memfd is not sealed against writes: its bytes cannot be trusted")
+        if seals & _SEALS != _SEALS:
+            raise ValueError(f"offered memfd is not sealed against writes, growth, shrinking and new seals "
+                             f"(seals {seals:#x}): its bytes cannot be trusted")
         actual = os.fstat(fd).st_size
         if actual != size:
             raise ValueError(f"offered memfd holds {actual} bytes, the layout needs {size}")
@@ -168,7 +173,36 @@ class CpuArena:
             self._mapping = None
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
 
+    segment_bytes = CPU_SEGMENT_BYTES
+
+    def segments(self) -> int:
+        return segment_count(self.size, self.segment_bytes)
+
+    def _read_mapping(self) -> mmap.mmap:
+        if self._reader is None:
+            self._reader = mmap.mmap(self.fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        return self._reader
+
+    def digest_segment(self, key: bytes, index: int) -> str:
+        """Keyed digest of one segment, read through a read-only mapping (the memfd is sealed by then)."""
+        self._read_mapping()
+        offset, length = segment_range(self.size, self.segment_bytes, index)
+        with memoryview(self._reader) as view:
+            return cpu_segment(view[offset:offset + length], key, index)
+
+    def digest(self, key: bytes) -> ArenaDigest:
+        """Every segment's keyed digest, hashed on several threads."""
+        self._read_mapping()  # made once, before the threads share it
+        values = digest_all(lambda i: self.digest_segment(key, i), self.segments())
+        return ArenaDigest(CPU_ALGORITHM, self.size, self.segment_bytes, values)
+
     def close(self) -> None:
+        if self._reader is not None:
+            try:
+                self._reader.close()
+            except BufferError:  # a digest in flight on another thread: the mapping goes with the process
+                pass
+            self._reader = None
         if self._mapping is not None:
             self._mapping.close()
             self._mapping = None

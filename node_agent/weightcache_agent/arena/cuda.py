@@ -300,6 +300,8 @@ class CudaArena:
         gran = granularity(ordinal)
         self.size = -(-size // gran) * gran
         self._writer: _Mapping | None = None
+        self._reader: _Mapping | None = None  # read-only, for digests
+        self._digester: Any = None
         if fd is not None:  # re-adopted from an engine: keep its fd (re-exporting an imported handle fails)
             self.fd = fd
             self._handle = checked(cu.cuMemImportFromShareableHandle(
@@ -354,10 +356,45 @@ class CudaArena:
             self._writer.release()
             self._writer = None
 
+    @property
+    def segment_bytes(self) -> int:
+        from .cuda_digest import CUDA_SEGMENT_BYTES
+
+        return CUDA_SEGMENT_BYTES
+
+    def segments(self) -> int:
+        from .digest import segment_count
+
+        return segment_count(self.size, self.segment_bytes)
+
+    def _gpu_digester(self) -> Any:
+        """A read-only mapping of the whole arena and the kernel that digests it (arena/cuda_digest.py)."""
+        if self._digester is None:
+            from .cuda_digest import GpuDigester
+
+            _activate(self.ordinal)
+            self._reader = _Mapping(self._handle, self.size, self.ordinal, writable=False, owns_handle=False)
+            self._digester = GpuDigester(self.ordinal, int(self._reader.ptr), self.size)
+        return self._digester
+
+    def digest_segment(self, key: bytes, index: int) -> str:
+        return self._gpu_digester().segment(key, index)
+
+    def digest(self, key: bytes) -> Any:
+        from .cuda_digest import digest_gpu
+
+        return digest_gpu(self._gpu_digester(), key)
+
     def close(self) -> None:
         cu = driver()
         _activate(self.ordinal)
         self.seal()
+        if self._digester is not None:
+            self._digester.close()
+            self._digester = None
+        if self._reader is not None:
+            self._reader.release()
+            self._reader = None
         if self._handle is not None:
             cu.cuMemRelease(self._handle)
             self._handle = None

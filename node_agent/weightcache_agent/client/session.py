@@ -196,6 +196,8 @@ class Attachment:
                 return False
             conn.settimeout(None)
             self._conn, self.agent_alive, self.role = conn, True, reply.get("role", self.role)
+            if isinstance(reply.get("rejoin_token"), str):  # the one just used is spent
+                self._rejoin_token = reply["rejoin_token"]
             self.rejoins += 1
             log.info("rejoined the agent at %s as %s (arena adopted: %s)", self._socket, self.role, reply.get("adopted"))
             return True

@@ -18,7 +18,12 @@ proof. Each lease gets a random token in its manifest reply; the agent records t
 hash with the peer's uid and pid in its state file (0600, written before the
 manifest goes out). A restarted agent reads that file once, and adopts an arena only from
 a peer that presents a recorded token with matching credentials, offering exactly one fd
-of exactly the layout's size. Anyone else's rejoin is refused without saying why.
+of exactly the layout's size, whose bytes digest (with the key the predecessor recorded)
+to what it loaded. Anyone else's rejoin is refused without saying why.
+
+The arena's integrity: every fill is digested with a secret key before anyone gets the
+handle, re-checked on a paced schedule and on demand (serve/integrity.py), and an arena
+found changed is no longer handed out but replaced by a fresh fill.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ import secrets
 import socket
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -45,12 +51,14 @@ from ..errors import ProtocolError, WeightCacheError
 from ..load.fingerprint import RevisionRequired, differences, fields_for_request, same_spec_fields
 from ..arena.cpu import CpuArena, available_memory, new_cpu_arena
 from ..arena.devices import Device
+from ..arena.digest import ArenaDigest, new_key
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
 from ..packed_rows import PackedRows
 from ..spec import CacheSpec
 from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
                      read_private, write_private)
+from .integrity import SCRUB_INTERVAL, Scrubber
 from .prepared_record import RecordedCache, read_record, write_record
 
 if TYPE_CHECKING:  # the loader's modules: imported when a load from disk needs them (see `load`)
@@ -63,16 +71,23 @@ FREE_BYTES_TTL = 1.0  # seconds a reading of free memory is served before it is 
 HANDSHAKE_TIMEOUT = 10.0  # seconds for a connection's whole first request, however slowly it arrives
 MAX_LEASES = 256  # engines per GPU; far above any real deployment, low enough to keep status small
 MAX_PENDING = 64  # connections still in their first request; past it the oldest is dropped
-# A status reply is far smaller than a socket's buffer: a client that makes sending it
-# wait this long is dropped, so that the one status thread never waits on it again.
+# The status thread reads a request already whole (it was peeked at accept) and never waits to
+# send: the connection's send buffer is made big enough for one reply, which goes out at once
+# or the client (who left earlier replies unread) is dropped.
 STATUS_SEND_TIMEOUT = 0.5
+GRANT_TTL = 60.0  # seconds an engine that was handed the arena ahead of its attach has to attach
+PARSE_SLOTS = 4  # large request frames parsed at once (see protocol.recv_message's parse_gate)
+SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)  # root may exceed the system's cap on a send buffer
+MAX_HANDED = 1024  # who received the arena's handle, remembered for the log line of a mismatch
 GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,252}")  # Kubernetes-style names, bounded
 MAX_TOKEN_CHARS = 128
 ATTACH_SAMPLES_IN_STATUS = 256  # bounded: status is polled every second or so
 ROLES = ("primary", "standby", "auto")
 PROMOTE_ACK_TIMEOUT = 1.0  # an engine answers `promote` with `promoted` once it serves as primary
 POD_FIELDS = ("namespace", "name", "uid")
-MAX_POD_FIELD = 253  # a DNS subdomain: the longest pod name or namespace Kubernetes allows
+# Kubernetes' own bounds: a namespace is a DNS label, a pod name a DNS subdomain, a uid a UUID
+# (with room). They bound every status reply: max_leases times one lease's worth.
+POD_FIELD_LIMITS = {"namespace": 63, "name": 253, "uid": 64}
 
 
 @dataclass
@@ -115,7 +130,9 @@ class Agent:
     def __init__(self, spec: CacheSpec, socket_path: str, show_progress: bool = False,
                  handshake_timeout: float = HANDSHAKE_TIMEOUT, device: Device | None = None, adopt_wait: float = 3.0,
                  policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING,
-                 on_promote: Callable[[Lease], None] | None = None, peer: str | None = None):
+                 on_promote: Callable[[Lease], None] | None = None, peer: str | None = None,
+                 max_leases_per_uid: int | None = None, max_pending_per_uid: int | None = None,
+                 max_connections_per_uid: int | None = None, scrub_interval: float = SCRUB_INTERVAL):
         self.spec = spec
         self.peer = peer  # another replica's socket for this rank: copy its arena instead of reading the disk
         self.filled_from = "disk"
@@ -126,7 +143,13 @@ class Agent:
         self.policy = policy or SocketPolicy()
         self.max_leases = max_leases
         self.max_pending = max_pending
-        self._pending: dict[int, socket.socket] = {}  # connection id -> socket, oldest first
+        # Per uid (what the kernel says a peer is): no one identity can take every lease, every
+        # pending slot or every connection and lock the others out.
+        self.max_leases_per_uid = max_leases_per_uid or max(1, max_leases // 2)
+        self.max_pending_per_uid = max_pending_per_uid or max(1, max_pending // 4)
+        self.max_connections_per_uid = max_connections_per_uid or self.max_leases_per_uid + self.max_pending_per_uid
+        self._connections: Counter = Counter()  # uid -> its open connections (under _pending_lock)
+        self._pending: dict[int, tuple[socket.socket, int]] = {}  # connection id -> (socket, uid), oldest first
         # Its own lock: the accept loop must never wait behind `_lock`, which attaches hold across
         # a state-file write (a status request would queue behind every attach in flight).
         self._pending_lock = threading.Lock()
@@ -172,6 +195,26 @@ class Agent:
         self._status_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._client_queue: queue.SimpleQueue = queue.SimpleQueue()
         self._waiting_slots = threading.BoundedSemaphore(max_pending)
+        self._parse_gate = threading.BoundedSemaphore(PARSE_SLOTS)
+        self._refusals = _Throttled()
+        # Who was handed the arena's handle ahead of an attach: (uid, pid) -> until when it counts
+        # against the uid's lease cap. And everyone who received the handle since the fill
+        # (`_handed`), for the log line that reports a changed arena.
+        self._grants: dict[tuple[int, int | None], float] = {}
+        self._handed: dict[tuple[int, int | None], float] = {}
+        # The arena's integrity: the secret key, the digest made when it was filled (or checked
+        # when it was adopted), and the scrubber that keeps checking it (serve/integrity.py).
+        self.scrub_interval = scrub_interval
+        self._key: bytes | None = None
+        self._digest: ArenaDigest | None = None
+        self._scrubber: Scrubber | None = None
+        self._integrity_error: str | None = None
+        self._previous_digest: Any = None  # the predecessor's digest file, read once at bind
+        self._adopt_lock = threading.Lock()  # one offered arena checked at a time
+        self._quarantined = False  # the served arena was found changed: nothing hands it out
+        self.tampered = 0  # arenas found changed
+        self.refills = 0
+        self._device_mark_value: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -201,6 +244,7 @@ class Agent:
             os.unlink(self.socket_path)
         # Before any lease of ours rewrites it: the predecessor's leases are what a rejoin must match.
         self._previous = read_private(self._state_path)
+        self._previous_digest = read_private(self._digest_path)
         self._listener = bind_socket(self.socket_path, self.policy)
         log.info("listening on %s (allowed: %s)", self.socket_path, self.policy.describe())
 
@@ -226,7 +270,7 @@ class Agent:
         peer = None
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
-            device_mark = self._device_mark()
+            device_mark = self._device_mark_value = self._device_mark()
             t0 = time.monotonic()
             recorded = None
             if adopting:
@@ -248,7 +292,7 @@ class Agent:
                 log.info("an earlier agent served this cache with engines attached: waiting up to %.1fs for one to "
                          "hand the arena back", self.adopt_wait)
                 self._adoption.wait(self.adopt_wait)
-                with self._lock:  # a rejoin racing the timeout either adopted already or will not
+                with self._adopt_lock, self._lock:  # an offer being checked is finished first
                     self._adoptable = False
                 if self._adopted_arena is not None:
                     if recorded is not None:
@@ -290,6 +334,7 @@ class Agent:
                 self.timings["prefetch"] = prefetch.seconds  # from load start until its last byte (or stop)
             if peer is not None:
                 peer.close()
+        self._guard_arena(self.cache.arena, fresh=not self.adopted)
         # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
         columns = self.cache.layout.to_manifest()
         self._manifest = json.dumps(columns, separators=(",", ":")).encode()
@@ -375,11 +420,165 @@ class Agent:
             return CpuArena.adopt(fd, size)
         return new_cpu_arena(size, self.spec, name=f"weightcache:{os.path.basename(self.socket_path)}")
 
+    # -- integrity of the served arena -------------------------------------------------------
+
+    def _guard_arena(self, arena: Any, fresh: bool) -> None:
+        """Digest a freshly filled arena where its bytes are (before anyone gets its handle) and record
+        the digest beside the socket; then keep checking it (an adopted arena's digest was checked
+        against the recorded one already). A digest that cannot be made is logged as an error and
+        reported in status ("unavailable"); the arena is served regardless."""
+        started = time.monotonic()
+        try:
+            if fresh:
+                self._key = new_key()
+                self._digest = arena.digest(self._key)
+                self._write_digest()
+        except Exception as e:  # noqa: BLE001 -- a driver or compiler failure: loud, not fatal
+            self._key = self._digest = None
+            self._integrity_error = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+            log.error("cannot digest the arena (%s): its content is not checked, and a restarted agent will "
+                      "not adopt it", self._integrity_error)
+            return
+        self.timings["digest"] = time.monotonic() - started
+        if self._key is not None and self._digest is not None:
+            self._scrubber = Scrubber(arena, self._key, self._digest, self._on_tamper, interval=self.scrub_interval)
+            self._scrubber.start()
+
+    def _write_digest(self) -> None:
+        prepared = self.prepared
+        try:
+            write_private(self._digest_path, {
+                "key": self._key.hex(), "digest": self._digest.to_json(), "fingerprint": prepared.fingerprint,
+                "layout_hash": prepared.layout.layout_hash, "backend": self.device.backend,
+                "device": self.device.uuid})
+        except OSError as e:  # a restart then loads from disk instead of adopting: slower, not wrong
+            log.warning("cannot record the arena's digest in %s: %s", self._digest_path, e.strerror or e)
+
+    def _recorded_digest(self, size: int) -> tuple[bytes, ArenaDigest] | None:
+        """The predecessor's key and digest, if they describe what this agent prepared."""
+        doc, prepared = self._previous_digest, self.prepared
+        if not isinstance(doc, dict) or prepared is None:
+            return None
+        expected = {"fingerprint": prepared.fingerprint, "layout_hash": prepared.layout.layout_hash,
+                    "backend": self.device.backend, "device": self.device.uuid}
+        if any(doc.get(k) != v for k, v in expected.items()):
+            return None
+        digest = ArenaDigest.from_json(doc.get("digest"))
+        try:
+            key = bytes.fromhex(str(doc.get("key")))
+        except ValueError:
+            return None
+        return (key, digest) if digest is not None and digest.size == size and len(key) >= 32 else None
+
+    def _content_is_ours(self, arena: Any, pid: int | None, uid: int) -> bool:
+        """Whether an offered arena holds exactly what the predecessor loaded (its keyed digest); on
+        success this agent takes over key and digest."""
+        recorded = self._recorded_digest(arena.size)
+        if recorded is None:
+            log.warning("not adopting the arena offered by pid=%s uid=%s: no recorded digest to check it against",
+                        pid, uid)
+            return False
+        key, digest = recorded
+        started = time.monotonic()
+        try:
+            values = arena.digest(key).values
+        except Exception as e:  # noqa: BLE001 -- the offer is refused; the disk is the way
+            log.warning("not adopting the arena offered by pid=%s uid=%s: cannot digest it (%s)", pid, uid, e)
+            return False
+        if values != digest.values:
+            changed = next(i for i, (a, b) in enumerate(zip(values, digest.values)) if a != b)
+            log.warning("refused to adopt the arena offered by pid=%s uid=%s: its bytes are not the ones this "
+                        "agent loaded (segment %d differs from the recorded digest)", pid, uid, changed)
+            return False
+        self._key, self._digest = key, digest
+        self.timings["digest"] = time.monotonic() - started
+        return True
+
+    def _on_tamper(self, segment: int) -> None:
+        """The served arena changed: stop handing it out, say so once, fill a fresh one."""
+        with self._lock:
+            if self._quarantined:
+                return
+            self._quarantined = True
+            self._ready.clear()
+            self.phase = "refilling"
+            self.tampered += 1
+            holders = sorted({(lease.uid, lease.pid) for lease in self._leases.values()} | set(self._handed),
+                             key=lambda h: (h[0], h[1] or 0))
+        shown = ", ".join(f"uid={u} pid={p}" for u, p in holders[:32]) + (" ..." if len(holders) > 32 else "")
+        log.error("arena %s changed since this agent filled it (segment %d of %d differs from its keyed digest): "
+                  "no longer handing it out, filling a fresh one; engines that map it serve changed weights; it was "
+                  "handed to: %s", self._arena_id, segment, len(self._digest.values) if self._digest else 0,
+                  shown or "nobody")
+        threading.Thread(target=self._refill, name="refill", daemon=True).start()
+
+    def _refill(self) -> None:
+        """A fresh arena from the checkpoint, in place of one found changed. Attaches wait meanwhile;
+        if it fails, they are refused (never given the changed arena)."""
+        old = self.cache
+        try:
+            from ..load.loader import fill_cache
+
+            if not hasattr(self.prepared, "plan"):  # planned from a record: the checkpoint is needed now
+                self.prepared = _prepare(self.spec, self._device_mark_value or self._device_mark())
+                self.planned_from = "checkpoint"
+            arena = self._new_arena(self.prepared.layout.size)
+            self.progress = LoadProgress()
+            cache = fill_cache(self.prepared, arena, self.progress, show_bar=False)
+            self._guard_arena(arena, fresh=True)
+        except Exception as e:  # noqa: BLE001 -- reported as the agent's failure: attaches are refused
+            with self._lock:
+                self.cache, self.phase = None, "failed"
+                self.error = f"the arena was found changed and refilling it failed: {e}"
+            log.error("refilling the changed arena failed: %s; refusing attaches", e)
+            self._ready.set()
+            return
+        with self._lock:
+            self.cache, self._arena_id, self.adopted, self.filled_from = cache, secrets.token_hex(16), False, "disk"
+            self._handed.clear()
+            self._grants.clear()
+            self._quarantined = False
+            self.refills += 1
+            self.phase = "ready"
+        self._ready.set()
+        log.info("serving a fresh arena %s in place of the changed one (filled in %.2fs)", self._arena_id,
+                 cache.load_seconds)
+        if old is not None:
+            old.arena.close()  # engines that still map it keep it alive; the agent holds none of it
+
+    def _verify(self, conn: socket.socket) -> None:
+        """A whole check of the arena now (privileged peers: it costs a pass of device time)."""
+        _pid, uid, _gid = protocol.peer_credentials(conn)
+        if uid not in (0, os.geteuid()):
+            raise ProtocolError(f"verify needs a privileged peer; uid {uid} is not")
+        scrubber = self._scrubber
+        if not self._ready.is_set() or scrubber is None:
+            protocol.send_message(conn, protocol.error_message(
+                "not_verifiable", self._integrity_error or f"the agent has no verified arena now (phase {self.phase})"))
+            return
+        result = scrubber.verify()
+        protocol.send_message(conn, {"type": "verified", **result, "integrity": self._integrity()})
+
+    def _integrity(self) -> dict[str, Any]:
+        scrubber = self._scrubber
+        out: dict[str, Any] = scrubber.to_json() if scrubber is not None else {
+            "state": "unavailable" if self._integrity_error else "unverified"}
+        if self._quarantined:
+            out["state"] = "tampered"
+        out.update(tampered=self.tampered, refills=self.refills)
+        if self._integrity_error:
+            out["error"] = self._integrity_error
+        return out
+
     # -- state kept for a restarted agent ------------------------------------------------------
 
     @property
     def _state_path(self) -> str:
         return sidecar_path(self.socket_path, "state")
+
+    @property
+    def _digest_path(self) -> str:
+        return sidecar_path(self.socket_path, "digest")
 
     @property
     def _record_path(self) -> str:
@@ -411,7 +610,10 @@ class Agent:
         state = self._state()
         if state is None:
             return
-        state["leases"] = [lease.record() for lease in self._leases.values()]
+        # The predecessor's engines that have not rejoined yet keep their records (a second restart
+        # still lets them in); a token already used is gone from the file before its rejoin is answered.
+        unclaimed = [r for r in self._previous_leases() if r.get("token") not in self._claimed]
+        state["leases"] = [lease.record() for lease in self._leases.values()] + unclaimed
         write_private(self._state_path, state)
 
     def _clear_state(self) -> None:
@@ -440,6 +642,8 @@ class Agent:
             self._clear_state()
         for lease in leases:
             _shutdown(lease.conn)
+        if self._scrubber is not None:
+            self._scrubber.stop()
         if self.cache is not None:
             self.cache.arena.close()
         if self._lock_fd is not None:
@@ -485,6 +689,9 @@ class Agent:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "attaches": self.attaches,
             "misses": self.misses,
+            # Whether the served arena still holds what was loaded: state verified / tampered /
+            # unverified / unavailable / error, the scrub's schedule and cost, arenas found changed.
+            "integrity": self._integrity(),
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
@@ -533,6 +740,19 @@ class Agent:
                 _try_send(conn, protocol.error_message("forbidden", "this uid may not use the agent's socket"))
                 conn.close()
                 continue
+            with self._pending_lock:
+                crowded = self._connections[uid] >= self.max_connections_per_uid
+                if not crowded:
+                    self._connections[uid] += 1
+            if crowded:
+                self._waiting_slots.release()
+                self._refusals.warn(f"uid {uid} holds its cap of {self.max_connections_per_uid} connections: "
+                                    "refusing more")
+                conn.setblocking(False)
+                _try_send(conn, protocol.error_message(
+                    "too_many_connections", f"this uid holds its cap of {self.max_connections_per_uid} connections"))
+                conn.close()
+                continue
             client = (conn, next(ids), pid, uid)  # holds its waiting slot until it has a thread
             if protocol.waiting_status_request(conn):
                 self._status_queue.put(client)
@@ -545,7 +765,7 @@ class Agent:
                 threading.Thread(target=self._serve, args=client, name="client", daemon=True).start()
             except RuntimeError as e:  # out of threads: this client goes, the agent keeps serving
                 log.warning("client pid=%s dropped: %s", client[2], e)
-                client[0].close()
+                self._close(client[0], client[3])
             finally:
                 self._waiting_slots.release()
 
@@ -558,7 +778,9 @@ class Agent:
                 conn.settimeout(STATUS_SEND_TIMEOUT)
                 _, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS)
                 _refuse_fds("status", fds)
-                protocol.send_message(conn, self.status())
+                self._send_status(conn)
+            except BlockingIOError:
+                self._refusals.warn("a client left status replies unread: dropped")
             except ProtocolError as e:
                 log.warning("client pid=%s dropped: %s", pid, e)
                 _try_send(conn, protocol.error_message("protocol", str(e)))
@@ -569,43 +791,79 @@ class Agent:
             else:
                 self._client_queue.put(client)
                 continue
-            conn.close()
+            self._close(conn, client[3])
             self._waiting_slots.release()
 
-    def _drop_oldest_pending(self) -> None:
-        """Make room: a connection still sending its first request is dropped, oldest first."""
+    def _send_status(self, conn: socket.socket) -> None:
+        """The status reply, sent without waiting: the send buffer is made to hold the whole reply, so it
+        goes out at once to a client that reads; `BlockingIOError` for one that left replies unread."""
+        data = protocol.encode_message(self.status())
+        try:
+            conn.setsockopt(socket.SOL_SOCKET, SO_SNDBUFFORCE, 2 * len(data) + (64 << 10))
+        except OSError:  # not root: as much as the system allows
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 2 * len(data) + (64 << 10))
+        timeout = conn.gettimeout()
+        conn.setblocking(False)
+        try:
+            if conn.send(data) < len(data):
+                raise BlockingIOError("status reply sent in part")
+        finally:
+            conn.settimeout(timeout)
+
+    def _close(self, conn: socket.socket, uid: int) -> None:
+        conn.close()
         with self._pending_lock:
-            if not self._pending:
+            self._connections[uid] -= 1
+            if self._connections[uid] <= 0:
+                del self._connections[uid]
+
+    def _drop_oldest_pending(self, uid: int | None = None) -> None:
+        """Make room: a connection still sending its first request is dropped, oldest first (of `uid`'s
+        when it holds more than its share)."""
+        with self._pending_lock:
+            key = next((k for k, (_, u) in self._pending.items() if uid is None or u == uid), None)
+            if key is None:
                 return
-            key = next(iter(self._pending))
-            conn = self._pending.pop(key)
-        log.warning("too many connections still in their first request (cap %d): dropping the oldest",
-                    self.max_pending)
+            conn, _ = self._pending.pop(key)
+        if uid is None:
+            log.warning("too many connections still in their first request (cap %d): dropping the oldest",
+                        self.max_pending)
+        else:
+            self._refusals.warn(f"uid {uid} holds more than its {self.max_pending_per_uid} connections still in "
+                                "their first request: dropping the oldest of them")
         _shutdown(conn)
 
     def _serve(self, conn: socket.socket, key: int, peer: int | None, uid: int) -> None:
         lease: Lease | None = None
         with self._pending_lock:
-            self._pending[key] = conn
+            self._pending[key] = (conn, uid)
             over = len(self._pending) > self.max_pending
-        if over:
+            own = sum(1 for _, u in self._pending.values() if u == uid) > self.max_pending_per_uid
+        if own:
+            self._drop_oldest_pending(uid)
+        elif over:
             self._drop_oldest_pending()
         try:
             deadline = time.monotonic() + self.handshake_timeout
             while lease is None:
                 message, fds = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_fds=protocol.MAX_REQUEST_FDS,
-                                                     deadline=deadline)
+                                                     deadline=deadline, max_items=protocol.MAX_REQUEST_ITEMS,
+                                                     parse_gate=self._parse_gate)
                 kind = message["type"]
                 if kind != "rejoin":
                     _refuse_fds(kind, fds)
                 if kind == "status":
-                    conn.settimeout(self.handshake_timeout)
-                    protocol.send_message(conn, self.status())
+                    self._send_status(conn)
                     deadline = time.monotonic() + self.handshake_timeout  # a new request, a new deadline
                 elif kind == "arena":
                     conn.settimeout(self.handshake_timeout)
-                    self._send_arena(conn, peer)
+                    self._send_arena(conn, message, peer, uid)
                     deadline = time.monotonic() + self.handshake_timeout
+                elif kind == "verify":
+                    self._done_pending(key)
+                    conn.settimeout(self.handshake_timeout)
+                    self._verify(conn)
+                    return
                 elif kind == "attach":
                     self._done_pending(key)
                     conn.settimeout(self.handshake_timeout)
@@ -628,7 +886,8 @@ class Agent:
                     raise ProtocolError(f"unexpected message type {kind!r} before attach")
             conn.settimeout(None)
             while True:
-                message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
+                message, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES, max_items=protocol.MAX_REQUEST_ITEMS,
+                                                   parse_gate=self._parse_gate)
                 if message["type"] == "detach":
                     return
                 if message["type"] == "promoted":
@@ -637,6 +896,8 @@ class Agent:
                 raise ProtocolError(f"unexpected message type {message['type']!r} on a lease")
         except EOFError:
             pass
+        except BlockingIOError:
+            self._refusals.warn("a client left status replies unread: dropped")
         except socket.timeout:
             log.warning("client pid=%s dropped: no complete request within %.1fs", peer, self.handshake_timeout)
         except ProtocolError as e:
@@ -652,7 +913,7 @@ class Agent:
             self._done_pending(key)
             if lease is not None:
                 self._end_lease(lease)
-            conn.close()
+            self._close(conn, uid)
 
     def _done_pending(self, key: int) -> None:
         with self._pending_lock:
@@ -677,11 +938,13 @@ class Agent:
             finally:
                 with self._lock:
                     self._waiting -= 1
-        if self.cache is None:
+        served = self._serving()
+        if served is None:
             with self._lock:
                 self.misses += 1
             protocol.send_message(conn, self._load_failed())
             return None
+        cache, arenas = served
         try:
             fields = self._fields_for(request)
         except RevisionRequired:
@@ -699,20 +962,19 @@ class Agent:
             protocol.send_message(conn, protocol.error_message(
                 "bad_request", "cannot evaluate the engine's spec against this agent's checkpoint; see the agent's log"))
             return None
-        diff = differences(self.cache.fields, fields)
+        diff = differences(cache.fields, fields)
         if diff:
             with self._lock:
                 self.misses += 1
             log.warning("refused attach from pid=%s: fingerprint differs in %s", peer,
                         ", ".join(f"{k} (cache={c} engine={e})" for k, (c, e) in diff.items()))
             protocol.send_message(conn, protocol.error_message(
-                "fingerprint_mismatch", "fingerprint differs", fields=self.cache.fields, engine_fields=fields))
+                "fingerprint_mismatch", "fingerprint differs", fields=cache.fields, engine_fields=fields))
             return None
         token = secrets.token_hex(32)
         lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
         if lease is None:
             return None
-        cache = self.cache
         reply = {
             "type": "manifest",
             "lease": lease.id,
@@ -722,7 +984,7 @@ class Agent:
             "fields": cache.fields,
             "layout_hash": cache.layout.layout_hash,
             "bytes": cache.layout.nbytes,
-            "arenas": self._arenas(),
+            "arenas": arenas,
             "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
@@ -747,23 +1009,70 @@ class Agent:
         """What an attach or an arena request is told when the load failed (an engine may fall back)."""
         return protocol.error_message("load_failed", f"agent failed to load: {self.error}")
 
-    def _arenas(self) -> list[dict[str, Any]]:
-        arena = self.cache.arena
-        return [{"index": 0, "size": arena.size, "backend": arena.backend, "device": self.device.uuid,
-                 "id": self._arena_id}]
+    def _serving(self) -> tuple[Any, list[dict[str, Any]]] | None:
+        """The cache to hand out and its arenas' description, once ready and not found changed (a
+        refill in progress is waited for); None when there is none (the load or the refill failed)."""
+        while True:
+            self._ready.wait()
+            with self._lock:
+                if not self._quarantined and self._ready.is_set():
+                    cache = self.cache
+                    if cache is None:
+                        return None
+                    return cache, [{"index": 0, "size": cache.arena.size, "backend": cache.arena.backend,
+                                    "device": self.device.uuid, "id": self._arena_id}]
 
-    def _send_arena(self, conn: socket.socket, peer: int | None) -> None:
-        """The arena's fd and what it is, without a lease or a manifest: an engine maps it while it
-        starts, and its attach then only binds. No waiting for a load: an engine that asks too
-        early is told so and maps at its attach. The same peers get the same fd by attaching."""
+    def _handing(self, uid: int, pid: int | None) -> None:
+        """Remember who gets the arena's handle (under `_lock`), bounded: a mismatch names them."""
+        self._handed.pop((uid, pid), None)
+        self._handed[(uid, pid)] = time.time()
+        while len(self._handed) > MAX_HANDED:
+            self._handed.pop(next(iter(self._handed)))
+
+    def _send_arena(self, conn: socket.socket, message: dict[str, Any], peer: int | None, uid: int) -> None:
+        """The arena's fd and what it is, ahead of an attach: an engine maps it while it starts, and its
+        attach then only binds. Handed out under the rules of an attach -- the socket's policy, the
+        group's owner, the uid's lease cap, which an unused hand-out counts against for `GRANT_TTL`
+        seconds -- and never while the arena is being replaced. No waiting for a load: an engine
+        that asks too early is told so and maps at its attach."""
+        group = message.get("group")
+        _check_lease_terms("arena", message.get("role", "auto"), group)
         if not self._ready.is_set():
             protocol.send_message(conn, protocol.error_message("not_ready", f"the cache is {self.phase}"))
-        elif self.cache is None:
+            return
+        served = self._serving()
+        if served is None:
             protocol.send_message(conn, self._load_failed())
-        else:
-            protocol.send_message(conn, {"type": "arena", "backend": self.cache.arena.backend,
-                                         "arenas": self._arenas()}, [self.cache.arena.fd])
-            log.debug("sent the arena to pid=%s ahead of its attach", peer)
+            return
+        cache, arenas = served
+        with self._lock:
+            refusal = self._admission(uid, peer, group)
+            if refusal is None:
+                self._grants[(uid, peer)] = time.monotonic() + GRANT_TTL
+                self._handing(uid, peer)
+        if refusal is not None:
+            protocol.send_message(conn, refusal)
+            return
+        protocol.send_message(conn, {"type": "arena", "backend": cache.arena.backend, "arenas": arenas},
+                              [cache.arena.fd])
+        log.debug("sent the arena to pid=%s uid=%s ahead of its attach", peer, uid)
+
+    def _admission(self, uid: int, pid: int | None, group: str | None) -> dict[str, Any] | None:
+        """The refusal of a new lease (or hand-out) for `uid`, or None. Call with `_lock` held."""
+        now = time.monotonic()
+        for holder in [h for h, until in self._grants.items() if until < now]:
+            del self._grants[holder]
+        held = sum(1 for lease in self._leases.values() if lease.uid == uid) + sum(
+            1 for (u, p) in self._grants if u == uid and p != pid)
+        if len(self._leases) >= self.max_leases:
+            return protocol.error_message("too_many_leases", f"this agent holds its cap of {self.max_leases} "
+                                                             "leases; try again later")
+        if held >= self.max_leases_per_uid:
+            return protocol.error_message("too_many_leases", f"uid {uid} holds its cap of {self.max_leases_per_uid} "
+                                                             "leases (and arenas handed out ahead of an attach)")
+        if group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
+            return protocol.error_message("group_taken", f"group {group!r} belongs to another user")
+        return None
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=True)
@@ -801,17 +1110,15 @@ class Agent:
                 lease.role == "primary" and lease.group == group for lease in self._leases.values())
             if role == "auto":
                 role = "standby" if has_primary else "primary"
-            if len(self._leases) >= self.max_leases:
-                refusal = protocol.error_message("too_many_leases", f"this agent holds its cap of {self.max_leases} "
-                                                                    "leases; try again later")
-            elif group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
-                refusal = protocol.error_message("group_taken", f"group {group!r} belongs to another user")
-            elif role == "primary" and has_primary:
+            refusal = self._admission(uid, pid, group)
+            if refusal is None and role == "primary" and has_primary:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
-            else:
+            if refusal is None:
                 lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
                 self._leases[lease.id] = lease
+                self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up
+                self._handing(uid, pid)
                 try:
                     self._write_state()
                 except OSError as e:
@@ -859,11 +1166,20 @@ class Agent:
                 protocol.send_message(conn, protocol.error_message("load_failed", "the agent failed to load"))
                 return None
             record = self._proven(message, peer, uid)
+            unrecorded = False
             with self._lock:
                 claimed = record is not None and record["token"] in self._claimed
                 if record is not None and not claimed:
+                    # Used once, across restarts too: the token leaves the state file before anything
+                    # else happens, so that neither this agent nor a successor accepts it again.
                     self._claimed.add(record["token"])
-            if record is None or claimed:
+                    try:
+                        self._write_state()
+                    except OSError as e:
+                        unrecorded = True
+                        log.error("cannot record a used rejoin token in %s: %s; refusing the rejoin",
+                                  self._state_path, e.strerror or e)
+            if record is None or claimed or unrecorded:
                 log.warning("refused a rejoin from pid=%s uid=%s: it proves no lease of this agent's predecessor",
                             peer, uid)
                 protocol.send_message(conn, protocol.error_message(
@@ -878,25 +1194,50 @@ class Agent:
             if (len(fds) == 1 and isinstance(arenas, list) and len(arenas) == 1 and isinstance(arenas[0], dict)
                     and message.get("layout_hash") == prepared.layout.layout_hash
                     and arenas[0].get("backend") == self.device.backend):
-                with self._lock:
-                    if self._adoptable and self._adopted_arena is None:
-                        try:
-                            # The layout's own size, never the client's: an arena of any other size is refused.
-                            self._adopted_arena = self._new_arena(prepared.layout.size, fd=fds[0])
-                            fds, adopt = [], True  # the arena owns the fd now
-                            self._adoption.set()
-                        except (OSError, WeightCacheError, ValueError) as e:
-                            log.warning("could not adopt the arena offered by pid=%s: %s", peer, e)
+                adopt = self._adopt(prepared.layout.size, fds[0], peer, uid)
+                fds = []  # closed by `_adopt` or owned by the adopted arena
         finally:
             for fd in fds:
                 os.close(fd)
-        lease = self._register(conn, peer, uid, role, group, record["token"], _pod_identity(message.get("pod")))
+        # A fresh token for the next restart: the one just used is spent.
+        token = secrets.token_hex(32)
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
         if lease is None:
             return None
-        lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt})
+        lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt,
+                    "rejoin_token": token})
         log.info("rejoined pid=%s role=%s group=%s lease=%d%s", peer, lease.role, group, lease.id,
                  " (its arena adopted)" if adopt else "")
         return lease
+
+    def _adopt(self, size: int, fd: int, peer: int | None, uid: int) -> bool:
+        """Take the arena an engine offers (fd) as this agent's, where the adoption window is open and
+        its bytes digest to what the predecessor recorded. Owns `fd` either way."""
+        arena = None
+        with self._adopt_lock:
+            try:
+                with self._lock:
+                    open_window = self._adoptable and self._adopted_arena is None
+                if not open_window:
+                    return False
+                # The layout's own size, never the client's: an arena of any other size is refused;
+                # a memfd must carry every seal the agent puts on its own.
+                arena = self._new_arena(size, fd=fd)
+                fd = -1  # the arena owns it now
+                if not self._content_is_ours(arena, peer, uid):
+                    return False
+                with self._lock:
+                    self._adopted_arena, arena = arena, None
+                self._adoption.set()
+                return True
+            except (OSError, WeightCacheError, ValueError) as e:
+                log.warning("could not adopt the arena offered by pid=%s uid=%s: %s", peer, uid, e)
+                return False
+            finally:
+                if arena is not None:
+                    arena.close()
+                elif fd >= 0:
+                    os.close(fd)
 
     def _end_lease(self, lease: Lease) -> None:
         with self._lock:
@@ -993,14 +1334,32 @@ class Agent:
 
 
 def _pod_identity(value: Any) -> dict[str, str] | None:
-    """The `pod` field of an attach: null, or namespace/name/uid strings of bounded length."""
+    """The `pod` field of an attach: null, or namespace/name/uid strings of Kubernetes' lengths."""
     if value is None:
         return None
     if not (isinstance(value, dict) and all(
-            isinstance(value.get(k), str) and 0 < len(value[k]) <= MAX_POD_FIELD for k in POD_FIELDS)):
-        raise ProtocolError(f"pod must be null or an object with {', '.join(POD_FIELDS)} (strings of at most "
-                            f"{MAX_POD_FIELD} characters)")
+            isinstance(value.get(k), str) and 0 < len(value[k]) <= limit for k, limit in POD_FIELD_LIMITS.items())):
+        limits = ", ".join(f"{k} (at most {n} characters)" for k, n in POD_FIELD_LIMITS.items())
+        raise ProtocolError(f"pod must be null or an object with the strings {limits}")
     return {k: value[k] for k in POD_FIELDS}
+
+
+class _Throttled:
+    """A warning said at most once a second, with how many were held back: a flood is one line a
+    second in the log, not one per connection."""
+
+    def __init__(self, every: float = 1.0):
+        self._every, self._last, self._held = every, 0.0, 0
+        self._lock = threading.Lock()
+
+    def warn(self, message: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self._every:
+                self._held += 1
+                return
+            held, self._held, self._last = self._held, 0, now
+        log.warning("%s%s", message, f" (and {held} more such since the last line)" if held else "")
 
 
 def _try_lease_send(lease: Lease, message: dict[str, Any]) -> None:

@@ -98,8 +98,15 @@ class _StatusCollector:
         misses = CounterMetricFamily("weightcache_attach_misses", "Attaches this rank refused because it holds other "
                                      "weights than asked (fingerprint) or failed to load: each one an engine's disk "
                                      "load when it falls back", labels=RANK_LABELS)
+        changed = CounterMetricFamily("weightcache_arena_integrity_failures", "Arenas this rank found changed "
+                                      "since it filled them (keyed digest mismatch; each one refilled)",
+                                      labels=RANK_LABELS)
+        verified = GaugeMetricFamily("weightcache_arena_verified", "1 while the rank's arena last checked equal to "
+                                     "its keyed digest, else 0", labels=RANK_LABELS)
         for r in ranks:
             labels = [str(r["rank"]), r["device"]]
+            changed.add_metric(labels, r.get("integrityFailures", 0))
+            verified.add_metric(labels, 1.0 if r.get("integrity") == "verified" else 0.0)
             misses.add_metric(labels, r.get("misses", 0))
             resident.add_metric(labels, r["bytes"])
             clients.add_metric(labels, r["clients"])
@@ -107,7 +114,7 @@ class _StatusCollector:
                 load.add_metric(labels, r["loadSeconds"])
             ready.add_metric(labels, 1.0 if r["phase"] == "Ready" else 0.0)
             restarts.add_metric(labels, r["restarts"])
-        return [resident, clients, load, ready, restarts, misses]
+        return [resident, clients, load, ready, restarts, misses, changed, verified]
 
 
 class _Server(ThreadingHTTPServer):

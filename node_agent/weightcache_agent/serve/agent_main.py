@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
+from .integrity import SCRUB_INTERVAL
 from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, LAYOUT_CHOICES, CacheSpec
 from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
@@ -86,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group (name or gid) whose members may connect to the socket, besides root "
                         "(default: $WEIGHTCACHE_SOCKET_GROUP, else none)")
     p.add_argument("--max-leases", type=int, default=256, help="engines one socket serves at most")
+    p.add_argument("--max-leases-per-uid", type=int, default=None,
+                   help="leases one uid may hold (and arenas handed out ahead of its attaches); default: half of "
+                        "--max-leases")
+    p.add_argument("--max-pending-per-uid", type=int, default=None,
+                   help="connections one uid may have in their first request; default: a quarter of --max-pending")
+    p.add_argument("--max-connections-per-uid", type=int, default=None,
+                   help="connections one uid may hold open; default: its lease cap plus its pending cap")
+    p.add_argument("--scrub-interval", type=float, default=SCRUB_INTERVAL, metavar="SECONDS",
+                   help="start a check of the arena's bytes against its keyed digest this often, paced to 1%% of "
+                        "the device's time (0: only on demand)")
     p.add_argument("--max-pending", type=int, default=64,
                    help="connections still sending their first request; past it the oldest is dropped")
     p.add_argument("--nice", type=int, default=AGENT_NICE, metavar="N",
@@ -193,6 +204,8 @@ def main(argv: list[str]) -> int:
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
                   adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
+                  max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,
+                  max_connections_per_uid=args.max_connections_per_uid, scrub_interval=args.scrub_interval,
                   on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None,
                   peer=args.peer_socket)
     try:

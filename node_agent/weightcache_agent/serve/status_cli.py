@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-from ..protocol import agent_status
+from ..protocol import agent_request, agent_status
 from ..errors import WeightCacheError
 from ..usage import EXIT_FAILED, EXIT_USAGE, parser as usage_parser, refuse
 
@@ -25,9 +25,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--socket", default=os.environ.get(ENV_SOCKET) or None,
                    help=f"the agent's Unix socket (default: ${ENV_SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--verify", action="store_true",
+                   help="check the arena's bytes against the digest the agent made when it filled it, now "
+                        "(root or the agent's uid; a whole pass of the arena); exit 1 when they differ")
     args = p.parse_args(argv)
     if not args.socket:
         return refuse("weightcache status", f"which agent? pass --socket PATH or set ${ENV_SOCKET}", EXIT_USAGE)
+    if args.verify:
+        return _verify(args.socket, args.json)
     try:
         status = agent_status(args.socket)
     except WeightCacheError as e:
@@ -42,6 +47,23 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _verify(socket: str, as_json: bool) -> int:
+    try:
+        result = agent_request(socket, {"type": "verify"}, timeout=600.0)
+    except WeightCacheError as e:
+        return refuse("weightcache status --verify", str(e), EXIT_FAILED)
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    elif result["ok"]:
+        print(f"verified {_size(result['bytes'])} in {result['seconds'] * 1e3:.1f} ms: the arena holds what the "
+              "agent loaded")
+    else:
+        print("the arena's bytes differ from what the agent loaded: the agent stopped handing it out and is "
+              "filling a fresh one", file=sys.stderr)
+    return 0 if result["ok"] else EXIT_FAILED
+
+
 def render(status: dict) -> str:
     progress = status["progress"]
     rows = [
@@ -53,6 +75,11 @@ def render(status: dict) -> str:
         ("backend", status["backend"]),
         ("resident", _resident(status)),
     ]
+    integrity = status.get("integrity") or {}
+    if integrity:
+        rows.append(("integrity", integrity.get("state", "-") + (
+            f" ({integrity['tampered']} arena(s) found changed, {integrity.get('refills', 0)} refilled)"
+            if integrity.get("tampered") else "")))
     if status["phase"] == "loading" and progress["bytes_total"]:
         # read from disk (source tensors) is counted apart from what ends resident
         eta = progress.get("eta_seconds")

@@ -346,6 +346,9 @@ class Worker:
             "attaches": int(status.get("attaches") or 0),
             "misses": int(status.get("misses") or 0),
             "filledFrom": status.get("filled_from") or "",  # disk, peer (another replica's arena) or adopted
+            # verified / tampered / unverified / unavailable / error, and arenas found changed (then refilled)
+            "integrity": str((status.get("integrity") or {}).get("state") or ""),
+            "integrityFailures": int((status.get("integrity") or {}).get("tampered") or 0),
             # Who holds this rank: the operator makes pod labels follow these roles.
             "leases": [_lease_summary(c) for c in (status.get("clients") or [])[:MAX_LEASES_IN_STATUS]],
         }
