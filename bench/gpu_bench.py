@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import torch
 
@@ -158,6 +159,8 @@ def main() -> int:
     p.add_argument("--attaches", type=int, default=10)
     p.add_argument("--bare", type=int, default=3, help="fresh processes per variant of the bare first attach")
     p.add_argument("--min-tensors", type=int, default=2000)
+    p.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True,
+                   help="time A and B (--no-baselines: only ours, the cold loads and the restart)")
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="time the cold loads (page cache dropped) against a raw read; --no-cold skips them")
     args = p.parse_args()
@@ -189,6 +192,7 @@ def main() -> int:
             rows.append((f"agent cold load, {quant}: process start -> serving (the load itself "
                          f"{st['load_seconds']:.2f} s; {split} s; steps, s since process start: {steps})",
                          f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s", f"{raw / wall:.3f} of raw"))
+            print(" | ".join(rows[-2]), "\n", " | ".join(rows[-1]), file=sys.stderr, flush=True)  # kept if the run is cut
             if quant == "fp8-block":
                 agent.stop()
     else:
@@ -219,6 +223,7 @@ def main() -> int:
             engine.stdin.close()
             engine.wait()
             bare[prepare_env].append(run)
+            print(f"bare attach, WEIGHTCACHE_PREPARE={prepare_env}: {run}", file=sys.stderr, flush=True)
     result["bare"] = bare
     engine, attaches = engine_run("in-attach")  # this one stays attached for the restart below
     ours = attaches["times"]
@@ -237,21 +242,72 @@ def main() -> int:
     engine.wait()
     restarted.stop()
 
-    # -- A: load_file(device=cuda) + load_state_dict ------------------------------------------
+    a = b = float("nan")
+    if args.baselines:
+        a, b = baselines(model, ck, pkg)
+        result["A_s"], result["B_s"] = a, b
+    print(f"A {a:.2f}s, B {b:.3f}s; ours median {med * 1e3:.2f} ms; readopt {result['readopt']}", file=sys.stderr)
+
+    if args.baselines:
+        rows.insert(0, ("A: load_file(cuda) + load_state_dict (warm page cache)", f"{a * 1e3:.0f} ms",
+                        f"{a / first:.0f}x ours (first)"))
+        rows.insert(1, ("B: legacy IPC handle per tensor, first rebuild in a fresh process + load_state_dict(assign=True)",
+                        f"{b * 1e3:.1f} ms", f"{b / first:.1f}x ours (first); {b / first_ahead:.1f}x with the arena "
+                                             "mapped at engine start"))
+    at = 2 if args.baselines else 0
+    rows.insert(at, (f"ours: first attach in a fresh engine process (prepare() at engine start; phases ms: {split})",
+                     f"{first * 1e3:.2f} ms", "1x"))
+    rows.insert(at + 1, ("ours: first attach in a fresh engine process, the arena mapped at engine start "
+                         f"(prepare(socket=...); phases ms: {split_ahead})", f"{first_ahead * 1e3:.2f} ms",
+                         f"{first_ahead / first:.2f}x"))
+    rows.insert(at + 2, ("ours: later attaches in that process (median)", f"{med * 1e3:.2f} ms", f"{med / first:.2f}x"))
+    for k, (prepare_env, what) in enumerate((("auto", "prepared at start (the default)"),
+                                             ("off", "WEIGHTCACHE_PREPARE=off"))):
+        runs = bare[prepare_env]
+        firsts = [r["times"][0] for r in runs]
+        rows.insert(at + 3 + k, (
+            f"ours: bare first attach in a fresh process, nothing called, the agent in the environment, {what} "
+            f"({len(runs)} processes: {', '.join(f'{t * 1e3:.2f}' for t in firsts)} ms; model built in "
+            f"{', '.join(str(round(r['builds'][0] * 1e3)) for r in runs)} ms; phases ms of the first: {phase_split(runs[0])})",
+            f"median {statistics.median(firsts) * 1e3:.2f} ms, max {max(firsts) * 1e3:.2f} ms",
+            f"{statistics.median(firsts) / first:.2f}x"))
+    bare_max = max(r["times"][0] for r in bare["auto"])
+    ro = result["readopt"]
+    rows.append(("agent restart, arena re-adopted from an engine: process start -> serving",
+                 f"{ro['wall_seconds'] * 1e3:.0f} ms (the re-adoption itself {ro['load_seconds'] * 1e3:.1f} ms)",
+                 f"adopted={ro['adopted']}, {ro['bytes_read']} bytes read"))
+    lines = [f"{size / 2**30:.1f} GiB in {count} tensors, {result['gpu']}, torch {result['torch']}", "",
+             "| step | time | ratio |", "| --- | ---: | ---: |"] + [f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in rows]
+    bars = {
+        **({"ours (first attach) >= 50x faster than B (first rebuild)": b / first >= 50,
+            "the same, the arena mapped at engine start": b / first_ahead >= 50} if args.baselines else {}),
+        "first attach <= 15 ms": first <= 0.015,
+        "later attaches <= 10 ms": med <= 0.010,
+        "bare first attach <= 15 ms (slowest process) after a model build of >= 100 ms":
+            bare_max <= 0.015 and min(r["builds"][0] for r in bare["auto"]) >= 0.1,
+        **({f"cold load {quant}, process start -> ready, >= 95% of raw read":
+            result[f"raw_read_{quant}_s"] / result[f"cold_{quant}_s"] >= 0.95 for quant in ("fp8-block", "none")}
+           if args.cold else {}),
+        "restart -> serving <= 1 s, 0 bytes read": ro["adopted"] and ro["wall_seconds"] <= 1.0 and ro["bytes_read"] == 0,
+    }
+    report(args.out, "gpu_bench", lines + ["", bars_line(bars)], result)
+    return 0
+
+
+def baselines(model: str, ck: Any, pkg: str) -> tuple[float, float]:
+    """Seconds of A (load_file into the materialised module, warm page cache) and of B (one legacy
+    IPC handle per tensor of that module, rebuilt in a fresh process)."""
     from safetensors.torch import load_file
 
     torch.cuda.synchronize()
     module = skeleton_module({n: (r.shape, r.dtype) for n, r in ck.tensors.items()})
     t0 = time.perf_counter()
     module = module.to_empty(device="cuda")
-    for path in files:
+    for path in ck.files:
         module.load_state_dict(load_file(path, device="cuda"), strict=False)
     torch.cuda.synchronize()
     a = time.perf_counter() - t0
-    result["A_s"] = a
-    print(f"A done: {a:.2f}s; ours median {med * 1e3:.2f} ms; readopt {result['readopt']}", file=sys.stderr)
 
-    # -- B: one legacy IPC handle per tensor, rebuilt in another process ------------------------
     import pickle
 
     from torch.multiprocessing.reductions import reduce_tensor
@@ -264,50 +320,9 @@ def main() -> int:
         b = float("nan")
     else:
         b = json.loads(cons.stdout)["seconds"]
-    result["B_s"] = b
     del module, handles
     torch.cuda.empty_cache()
-
-    rows.insert(0, ("A: load_file(cuda) + load_state_dict (warm page cache)", f"{a * 1e3:.0f} ms",
-                    f"{a / first:.0f}x ours (first)"))
-    rows.insert(1, ("B: legacy IPC handle per tensor, first rebuild in a fresh process + load_state_dict(assign=True)",
-                    f"{b * 1e3:.1f} ms", f"{b / first:.1f}x ours (first); {b / first_ahead:.1f}x with the arena "
-                                         "mapped at engine start"))
-    rows.insert(2, (f"ours: first attach in a fresh engine process (prepare() at engine start; phases ms: {split})",
-                    f"{first * 1e3:.2f} ms", "1x"))
-    rows.insert(3, ("ours: first attach in a fresh engine process, the arena mapped at engine start (prepare(socket=...); "
-                    f"phases ms: {split_ahead})", f"{first_ahead * 1e3:.2f} ms", f"{first_ahead / first:.2f}x"))
-    rows.insert(4, ("ours: later attaches in that process (median)", f"{med * 1e3:.2f} ms", f"{med / first:.2f}x"))
-    for prepare_env, what in (("auto", "prepared at start (the default)"), ("off", "WEIGHTCACHE_PREPARE=off")):
-        runs = bare[prepare_env]
-        firsts = [r["times"][0] for r in runs]
-        rows.insert(5 if prepare_env == "auto" else 6, (
-            f"ours: bare first attach in a fresh process, nothing called, the agent in the environment, {what} "
-            f"({len(runs)} processes: {', '.join(f'{t * 1e3:.2f}' for t in firsts)} ms; model built in "
-            f"{', '.join(str(round(r['builds'][0] * 1e3)) for r in runs)} ms; phases ms of the first: {phase_split(runs[0])})",
-            f"median {statistics.median(firsts) * 1e3:.2f} ms, max {max(firsts) * 1e3:.2f} ms",
-            f"{statistics.median(firsts) / first:.2f}x"))
-    bare_max = max(r["times"][0] for r in bare["auto"]) if bare["auto"] else float("nan")
-    ro = result["readopt"]
-    rows.append(("agent restart, arena re-adopted from an engine: process start -> serving",
-                 f"{ro['wall_seconds'] * 1e3:.0f} ms (the re-adoption itself {ro['load_seconds'] * 1e3:.1f} ms)",
-                 f"adopted={ro['adopted']}, {ro['bytes_read']} bytes read"))
-    lines = [f"{size / 2**30:.1f} GiB in {count} tensors, {result['gpu']}, torch {result['torch']}", "",
-             "| step | time | ratio |", "| --- | ---: | ---: |"] + [f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in rows]
-    bars = {
-        "ours (first attach) >= 50x faster than B (first rebuild)": b / first >= 50,
-        "the same, the arena mapped at engine start": b / first_ahead >= 50,
-        "first attach <= 15 ms": first <= 0.015,
-        "later attaches <= 10 ms": med <= 0.010,
-        "bare first attach <= 15 ms (slowest process) after a model build of >= 100 ms":
-            bare_max <= 0.015 and min(r["builds"][0] for r in bare["auto"]) >= 0.1,
-        **({f"cold load {quant}, process start -> ready, >= 95% of raw read":
-            result[f"raw_read_{quant}_s"] / result[f"cold_{quant}_s"] >= 0.95 for quant in ("fp8-block", "none")}
-           if args.cold else {}),
-        "restart -> serving <= 1 s, 0 bytes read": ro["adopted"] and ro["wall_seconds"] <= 1.0 and ro["bytes_read"] == 0,
-    }
-    report(args.out, "gpu_bench", lines + ["", bars_line(bars)], result)
-    return 0
+    return a, b
 
 
 if __name__ == "__main__":
