@@ -163,6 +163,10 @@ def main() -> int:
                    help="time A and B (--no-baselines: only ours, the cold loads and the restart)")
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="time the cold loads (page cache dropped) against a raw read; --no-cold skips them")
+    p.add_argument("--quantizations", default="fp8-block,none",
+                   help="the cold loads, in this order; one named twice is loaded twice (its bar: the median)")
+    p.add_argument("--attach", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the attaches and the restart (--no-attach: the cold loads alone)")
     args = p.parse_args()
     pkg = os.path.join(HERE, "..", "node_agent")
     model = make_checkpoint(os.path.join(args.dir, f"llama-{args.gib:g}g"), args.gib, args.min_tensors)
@@ -173,29 +177,40 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="wc-")
 
     def started(quant: str) -> tuple[Agent, dict]:
-        agent = Agent(model, os.path.join(tmp, f"cold-{quant}.sock"), "--quantization", quant)
+        agent = Agent(model, tempfile.mktemp(prefix=f"cold-{quant}-", suffix=".sock", dir=tmp), "--quantization", quant)
         return agent, agent.ready()
 
     # -- cold path vs. the raw read rate: each load against the mean of the raw reads around it --
-    if args.cold:
-        quants = ("fp8-block", "none")
-        loads = [lambda quant=quant: started(quant) for quant in quants]
-        for quant, ((agent, st), raw_before, raw_after) in zip(quants, between_raw_reads(files, loads)):
-            raw = (raw_before + raw_after) / 2
-            wall = st["wall_seconds"]
-            result[f"cold_{quant}_s"], result[f"raw_read_{quant}_s"] = wall, raw
-            split = ", ".join(f"{k} {v:.2f}" for k, v in st.get("load_breakdown", {}).items())
-            rows.append((f"raw sequential reads before and after (page cache dropped): {raw_before:.2f}, "
-                         f"{raw_after:.2f} s", f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s", "1.00"))
-            result[f"startup_{quant}"] = st.get("startup", {})
-            steps = ", ".join(f"{k} {v:.2f}" for k, v in st.get("startup", {}).items())
-            rows.append((f"agent cold load, {quant}: process start -> serving (the load itself "
-                         f"{st['load_seconds']:.2f} s; {split} s; steps, s since process start: {steps})",
-                         f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s", f"{raw / wall:.3f} of raw"))
-            print(" | ".join(rows[-2]), "\n", " | ".join(rows[-1]), file=sys.stderr, flush=True)  # kept if the run is cut
-            if quant == "fp8-block":
-                agent.stop()
-    else:
+    quants = args.quantizations.split(",") if args.cold else []
+    ratios: dict[str, list[float]] = {}
+    agent = None
+    loads = [lambda quant=quant: started(quant) for quant in quants]
+    for k, (quant, ((agent, st), raw_before, raw_after)) in enumerate(zip(quants, between_raw_reads(files, loads))):
+        raw = (raw_before + raw_after) / 2
+        wall = st["wall_seconds"]
+        ratios.setdefault(quant, []).append(raw / wall)
+        result.setdefault("cold", []).append({"quantization": quant, "wall_s": wall, "raw_before_s": raw_before,
+                                              "raw_after_s": raw_after, "startup": st.get("startup", {}),
+                                              "load_breakdown": st.get("load_breakdown", {})})
+        split = ", ".join(f"{k_} {v:.2f}" for k_, v in st.get("load_breakdown", {}).items())
+        rows.append((f"raw sequential reads before and after (page cache dropped): {raw_before:.2f}, "
+                     f"{raw_after:.2f} s", f"{raw:.2f} s = {size / raw / 1e9:.2f} GB/s", "1.00"))
+        steps = ", ".join(f"{k_} {v:.2f}" for k_, v in st.get("startup", {}).items())
+        rows.append((f"agent cold load, {quant}: process start -> serving (the load itself "
+                     f"{st['load_seconds']:.2f} s; {split} s; steps, s since process start: {steps})",
+                     f"{wall:.2f} s = {size / wall / 1e9:.2f} GB/s", f"{raw / wall:.3f} of raw"))
+        print(" | ".join(rows[-2]), "\n", " | ".join(rows[-1]), file=sys.stderr, flush=True)  # kept if the run is cut
+        if not (args.attach and k == len(quants) - 1 and quant == "none"):
+            agent.stop()
+            agent = None
+    cold_bars = {f"cold load {quant}, process start -> ready, >= 95% of raw read (median of {len(r)})":
+                 statistics.median(r) >= 0.95 for quant, r in ratios.items()}
+    if not args.attach:
+        report(args.out, "gpu_bench", [f"{size / 2**30:.1f} GiB in {count} tensors, {result['gpu']}, torch "
+                                       f"{result['torch']}", "", "| step | time | ratio |", "| --- | ---: | ---: |"]
+               + [f"| {a_} | {b_} | {c_} |" for a_, b_, c_ in rows] + ["", bars_line(cold_bars)], result)
+        return 0
+    if agent is None:
         agent, _ = started("none")
     serving = agent  # the bf16 one stays up for the attach runs
 
@@ -283,11 +298,10 @@ def main() -> int:
             "the same, the arena mapped at engine start": b / first_ahead >= 50} if args.baselines else {}),
         "first attach <= 15 ms": first <= 0.015,
         "later attaches <= 10 ms": med <= 0.010,
-        "bare first attach <= 15 ms (slowest process) after a model build of >= 100 ms":
-            bare_max <= 0.015 and min(r["builds"][0] for r in bare["auto"]) >= 0.1,
-        **({f"cold load {quant}, process start -> ready, >= 95% of raw read":
-            result[f"raw_read_{quant}_s"] / result[f"cold_{quant}_s"] >= 0.95 for quant in ("fp8-block", "none")}
-           if args.cold else {}),
+        # The bar allows a model build of >= 100 ms to overlap; a shorter build leaves less time: harder, not easier.
+        f"bare first attach <= 15 ms (slowest process; model built in {max(r['builds'][0] for r in bare['auto']):.2f} s "
+        "at most)": bare_max <= 0.015,
+        **cold_bars,
         "restart -> serving <= 1 s, 0 bytes read": ro["adopted"] and ro["wall_seconds"] <= 1.0 and ro["bytes_read"] == 0,
     }
     report(args.out, "gpu_bench", lines + ["", bars_line(bars)], result)
