@@ -7,26 +7,7 @@ loader use their torch paths (same bytes, more time). The torch-native row binde
 (`_bindtorch.cpp`) is not built here: it needs the engine's own torch, which a build
 environment need not have; `weightcache build-native` compiles it after install.
 """
-import setuptools
 from setuptools import Extension, setup
-
-if int(setuptools.__version__.split(".")[0]) < 77:
-    # pyproject.toml names its license as an SPDX string (PEP 639), which setuptools before 77
-    # refuses -- and with it the whole file, so not one extension is built. Torch images ship such
-    # a setuptools, and `setup.py build_ext --inplace` (or an install without build isolation)
-    # uses it: hand it the same license in the table form it knows.
-    from setuptools.config import pyprojecttoml
-
-    _load_file = pyprojecttoml.load_file
-
-    def _license_as_table(path):
-        data = _load_file(path)
-        project = data.get("project", {})
-        if isinstance(project.get("license"), str):
-            project["license"] = {"text": project["license"]}
-        return data
-
-    pyprojecttoml.load_file = _license_as_table
 
 setup(ext_modules=[
     Extension("weightcache_agent.client._bindfast", ["node_agent/weightcache_agent/client/_bindfast.c"],
