@@ -58,7 +58,6 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-
 def _begin_preparing() -> None:
     from .client.warmup import begin
 

@@ -483,4 +483,3 @@ def _tail(path: str, lines: int = 5) -> str:
             return " | ".join(f.read().strip().splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
