@@ -11,9 +11,11 @@ python3 -c "import torch, cuda.bindings; print('torch', torch.__version__, 'cuda
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 || echo "C extension not built (see build_ext.log)"
 # The torch-native row binder, compiled against this machine's torch (as an engine image would).
 python3 -m weightcache_agent.cli build-native > "$OUT/build_native.log" 2>&1 || echo "row binder not built (see build_native.log)"
-python3 -c "from weightcache_agent.client.rebind import _bindfast, _torch_rows; print('C extension:', 'built' if _bindfast else 'NOT built', '| row binder:', 'built' if _torch_rows else 'NOT built')" | tee -a "$OUT/gpu.txt"
+python3 -c "import setuptools; from weightcache_agent.client.rebind import _bindfast, _torch_rows; from weightcache_agent.load.fp8 import _fp8cpu; print('setuptools', setuptools.__version__, '| C bind:', 'built' if _bindfast else 'NOT built', '| C quantizer:', 'built' if _fp8cpu else 'NOT built', '| row binder:', 'built' if _torch_rows else 'NOT built')" | tee -a "$OUT/gpu.txt"
 python3 bench/attach_profile.py cuda > "$OUT/attach_profile.log" 2>&1; head -2 "$OUT/attach_profile.log"
-python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_prepare.py tests/test_transformers.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_prepare.py tests/test_transformers.py \
+  tests/test_tp_cuda.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_native_build.py \
+  tests/test_readonly_weights.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}

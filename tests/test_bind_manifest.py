@@ -5,6 +5,8 @@ which names the problems; either way the module ends up the same, or nothing is 
 """
 from __future__ import annotations
 
+import glob
+import importlib.machinery
 import os
 import shutil
 import sysconfig
@@ -66,8 +68,13 @@ def test_the_extensions_are_built_where_a_compiler_exists():
     if not (shutil.which("cc") or shutil.which("gcc")) or not os.path.exists(
             os.path.join(sysconfig.get_paths()["include"], "Python.h")):
         pytest.skip("no C compiler or Python headers here: the pure-Python paths serve")
-    assert _bindfast is not None, "setup.py's optional _bindfast failed to build; see the pip install log"
-    assert fp8._fp8cpu is not None, "setup.py's optional _fp8cpu failed to build; see the pip install log"
+    for name, module, beside in (("_bindfast", _bindfast, rebind.__file__), ("_fp8cpu", fp8._fp8cpu, fp8.__file__)):
+        # Which builds are there, and which one this interpreter would load: a build for another
+        # Python (or none at all, e.g. on a machine that started bare) reads the same from here.
+        found = sorted(os.path.basename(p) for p in glob.glob(os.path.join(os.path.dirname(beside), name + ".*")))
+        assert module is not None, (f"setup.py's optional {name} is not importable: this Python loads "
+                                    f"*{importlib.machinery.EXTENSION_SUFFIXES[0]}, beside it: {found}; build it with "
+                                    "`python3 setup.py build_ext --inplace` (or see the pip install log)")
 
 
 def test_every_tensor_is_bound_in_place_to_the_arena(native):

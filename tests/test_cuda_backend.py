@@ -142,8 +142,11 @@ def _arena(model: str, sock: str, backend: str, quant: str, tmp_path, name: str)
 def test_cuda_arena_holds_the_same_bytes_as_the_cpu_arena(gpu_model, tmp_path, quant):
     on_gpu, gpu_agent_torch = _arena(gpu_model, str(tmp_path / "g.sock"), "cuda", quant, tmp_path, "gpu")
     on_cpu, _ = _arena(gpu_model, str(tmp_path / "c.sock"), "cpu", quant, tmp_path, "cpu")
-    # copied as they are, or quantized from bf16 on the host: through the driver alone, no torch
-    assert not gpu_agent_torch
+    # copied as they are, or quantized from bf16 on the host by the C quantizer: through the driver alone, no torch
+    from weightcache_agent.load import fp8
+
+    assert not gpu_agent_torch, ("the cuda agent imported torch" if fp8._fp8cpu is not None else
+                                 "the cuda agent imported torch: the C quantizer _fp8cpu is not built (setup.py build_ext)")
     assert on_gpu.keys() == on_cpu.keys()
     for name in on_cpu:
         assert torch.equal(on_gpu[name].view(torch.uint8), on_cpu[name].view(torch.uint8)), name

@@ -99,3 +99,29 @@ def test_a_read_behind_waits_for_the_read_ahead_to_pass_its_bytes(tmp_path):
     started = time.monotonic()
     prefetch.wait_past(paths[1], 10 * CHUNK)  # ended: never waits
     assert time.monotonic() - started < 0.1
+
+
+def test_the_agent_reads_ahead_from_its_flags_unless_whole_files_are_not_coming(tmp_path):
+    """`weightcache agent --socket` starts the read-ahead right after its flags (before it imports the
+    rest of itself or starts the GPU); not for a tensor-parallel rank, a replica that copies a peer,
+    or beside a predecessor's state file (engines may hand the arena back: nothing to read)."""
+    from weightcache_agent.serve.agent_main import build_parser, start_read_ahead
+    from weightcache_agent.serve.sidecar import sidecar_path
+
+    model = _shards(tmp_path, [3 << 20, 1 << 20])
+    sock = str(tmp_path / "a.sock")
+
+    def flags(*extra: str):
+        return build_parser().parse_args(["--model", model, "--socket", sock, *extra])
+
+    read_ahead = start_read_ahead(flags())
+    try:
+        assert read_ahead is not None
+        read_ahead._thread.join(10)
+        assert read_ahead.read == 4 << 20 and read_ahead.began <= read_ahead.finished
+    finally:
+        read_ahead.stop()
+    assert start_read_ahead(flags("--tp-size", "2")) is None
+    assert start_read_ahead(flags("--peer-socket", str(tmp_path / "b.sock"))) is None
+    open(sidecar_path(sock, "state"), "w").close()
+    assert start_read_ahead(flags()) is None

@@ -1,6 +1,8 @@
 """`prepare()` at engine start, and the phases an attach reports, on the cpu backend."""
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -218,3 +220,88 @@ def test_the_lease_watcher_waits_ready_when_the_attach_comes(model, tmp_path):
         assert not idle.is_alive()
     finally:
         agent.stop()
+
+
+_ENGINE_STARTING = """
+import json, sys, threading, time
+import torch
+import weightcache_agent
+from weightcache_agent import CacheSpec, attach
+from weightcache_agent.client import early, mapping, session
+from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.synthetic import skeleton_module
+model = sys.argv[1]
+module = skeleton_module({n: (r.shape, r.dtype) for n, r in open_checkpoint(model).tensors.items()})
+done = early.wait()
+out = {"early": None if done is None else {"device": done.device, "took": sorted(done.took), "error": done.error},
+       "premapped": len(mapping._premapped), "cuda_initialized": torch.cuda.is_initialized()}
+idle = session.lease_threads._idle
+att = attach(module, CacheSpec(model=model))
+out.update(watcher_was_idle=idle is not None and att._watcher is idle, source=att.source,
+           meta=sum(p.is_meta for p in module.parameters()))
+if done is not None:
+    out["prepare_again"] = weightcache_agent.prepare("cpu")["cpu"] == done.took["cpu"]  # the same figure: not run twice
+print(json.dumps(out))
+att.close()
+"""
+
+
+def _engine_starting(model: str, env: dict[str, str]) -> dict:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCACHE_")}
+    out = subprocess.run([sys.executable, "-c", _ENGINE_STARTING, model], capture_output=True, text=True, timeout=120,
+                         env={**clean, **env})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_whose_environment_names_its_agent_prepares_while_it_starts(model, tmp_path):
+    """Nothing called: importing the package after torch, with the agent in the environment (as the
+    operator injects it), warms the attach path on the agent's device on a thread while the model is
+    built; the attach waits for it and finds its lease watcher started. No arena is held for an
+    attach that may never come, and no GPU context is made for an agent that serves no GPU.
+    `$WEIGHTCACHE_PREPARE=off` and an environment that names no agent start nothing."""
+    sock = str(tmp_path / "a.sock")
+    with AgentProcess(model, sock, "--backend", "cpu") as agent:
+        started = _engine_starting(model, {"WEIGHTCACHE_SOCKET": sock})
+        assert started["early"] == {"device": "cpu", "took": ["cpu"], "error": None}
+        assert started["premapped"] == 0 and started["cuda_initialized"] is False
+        assert started["watcher_was_idle"] and started["source"] == "agent" and started["meta"] == 0
+        assert started["prepare_again"] is True
+        off = _engine_starting(model, {"WEIGHTCACHE_SOCKET": sock, "WEIGHTCACHE_PREPARE": "off"})
+        assert off["early"] is None and not off["watcher_was_idle"] and off["source"] == "agent"
+        assert agent.status()["attaches"] == 2
+    unnamed = subprocess.run([sys.executable, "-c", "import torch, weightcache_agent; from weightcache_agent import attach; "
+                              "from weightcache_agent.client import early; assert early._current is None"],
+                             capture_output=True, text=True, timeout=60,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("WEIGHTCACHE_")})
+    assert unnamed.returncode == 0, unnamed.stderr[-2000:]
+
+
+def test_preparing_at_start_leaves_our_commands_and_quick_exits_alone(model, tmp_path):
+    """`weightcache status` in an engine's environment imports no torch (it never prepares); a process
+    that imports the attach path and exits at once exits cleanly; an unknown `$WEIGHTCACHE_PREPARE`
+    value is named in a warning and starts nothing."""
+    sock = str(tmp_path / "a.sock")
+    env = {**os.environ, "WEIGHTCACHE_SOCKET": sock}
+    with AgentProcess(model, sock, "--backend", "cpu"):
+        status = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import sys
+            from weightcache_agent.cli import main
+            code = main(["status", "--json"])
+            assert "torch" not in sys.modules, "status imported torch"
+            sys.exit(code)
+        """)], capture_output=True, text=True, timeout=60, env=env)
+        assert status.returncode == 0, status.stderr[-2000:]
+        quick = subprocess.run([sys.executable, "-c", "import torch, weightcache_agent; from weightcache_agent import attach"],
+                               capture_output=True, text=True, timeout=60, env=env)
+        assert quick.returncode == 0 and "Traceback" not in quick.stderr, quick.stderr[-2000:]
+        odd = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+            import logging, torch
+            logging.basicConfig()
+            import weightcache_agent
+            from weightcache_agent import attach
+            from weightcache_agent.client import early
+            assert early._current is None
+        """)], capture_output=True, text=True, timeout=60, env={**env, "WEIGHTCACHE_PREPARE": "sometimes"})
+        assert odd.returncode == 0, odd.stderr[-2000:]
+        assert "$WEIGHTCACHE_PREPARE='sometimes' is neither auto nor off" in odd.stderr

@@ -3,7 +3,10 @@
 The engine-facing API is `CacheSpec` + `attach` (and `prepare`, which an engine may call
 while it starts, so that its first attach costs what a later one does). Names are resolved lazily (PEP 562):
 importing the package costs nothing, so `weightcache operator` and `weightcache status`
-never import torch, and nothing here ever imports kopf or kubernetes.
+never import torch, and nothing here ever imports kopf or kubernetes. An engine process (one
+that imported torch before this package) whose environment names its agent starts preparing
+the attach path on a thread at this import, another once it takes `attach` or `prepare` from here
+(`client.early`; `$WEIGHTCACHE_PREPARE=off` stops it).
 
 Layers, lowest first; a module imports only from layers below its own (and its own
 subpackage), which `tests/test_layers.py` checks:
@@ -22,6 +25,7 @@ subpackage), which `tests/test_layers.py` checks:
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 _EXPORTS = {
@@ -49,4 +53,24 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'weightcache_agent' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # later lookups skip this function
+    if name in ("attach", "Attachment", "prepare"):
+        _begin_preparing()
     return value
+
+
+def _begin_preparing() -> None:
+    from .client.warmup import begin
+
+    begin()
+
+
+# An engine whose environment names its agent prepares the attach path while it goes on starting
+# (`client.early`): from here where it imported torch first (never one of our own commands, which
+# import this package before anything else), else once it asks for the attach.
+if "torch" in sys.modules:
+    from .client import early as _early
+
+    if _early.wanted():
+        import threading
+
+        threading.Thread(target=_begin_preparing, name="weightcache-prepare-start", daemon=True).start()

@@ -1,9 +1,12 @@
-"""Logging set-up shared by the agent and the operator: text for people, JSON for collectors."""
+"""Logging set-up shared by the agent and the operator: text for people, JSON for collectors; and
+the steps of a process's start-up as seconds since it started, which agents and engines report."""
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
+import threading
 import time
 
 
@@ -29,3 +32,37 @@ def configure(fmt: str = "text", level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+
+
+def process_start_time() -> float:
+    """This process's start as a `time.time()` value (from /proc; now, where there is none)."""
+    try:
+        with open("/proc/self/stat") as f:
+            after_name = f.read().rsplit(")", 1)[1].split()
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        # field 22 (starttime, in clock ticks after boot); after_name starts at field 3
+        return time.time() - uptime + int(after_name[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Phases:
+    """Steps of this process's start-up, each as seconds since the process started (the kernel's
+    record of the start, so the interpreter's own start-up counts)."""
+
+    def __init__(self) -> None:
+        self.started = process_start_time()
+        self.at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def mark(self, step: str, when: float | None = None) -> float:
+        """Record `step` as done now (or at `when`, a `time.time()` value); its seconds since start."""
+        seconds = round((time.time() if when is None else when) - self.started, 4)
+        with self._lock:
+            self.at[step] = seconds
+        return seconds
+
+    def as_dict(self) -> dict[str, float]:
+        with self._lock:
+            return dict(sorted(self.at.items(), key=lambda kv: kv[1]))

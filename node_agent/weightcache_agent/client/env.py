@@ -39,3 +39,16 @@ def pod_from_env() -> dict[str, str] | None:
     """This engine's pod (namespace, name, uid), when the operator injected it."""
     pod = {key: os.environ.get(env, "") for key, env in ENV_POD.items()}
     return pod if all(pod.values()) else None
+
+
+def socket_to_prepare(rank: int | None = None) -> str | None:
+    """The socket `attach` would use, where the environment names one for this rank; else None.
+
+    A rank left unsaid with several devices in `$WEIGHTCACHE_DEVICES` names none: which GPU's
+    agent is this process's is unknown, and preparing another GPU's would be wrong."""
+    if rank is None and len(device_uuids()) > 1 and not os.environ.get(ENV_SOCKET):
+        return None
+    try:
+        return socket_from_env(rank or 0)
+    except ValueError:  # no agent named: the engine attaches with an explicit socket, or from disk
+        return None

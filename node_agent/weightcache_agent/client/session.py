@@ -33,6 +33,7 @@ from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, Protoco
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
+from . import early
 from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
@@ -298,6 +299,8 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if mode != "off":
+        early.wait()  # the attach path warmed while the engine started: done before the timer matters
     adjust = Adjust.of(materialize, cast_small)
     attachment = _attach(module, spec, socket, mode, fallback, role, group, on_promote, strict, timeout, on_demote,
                          copy_on_write, adjust)

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from ..arena.cpu import CpuArena, map_readonly
-from .env import ENV_SOCKET, device_uuids, socket_from_env
+from . import early
+from .env import socket_to_prepare
 from .mapping import map_ahead
 from .rebind import bind_manifest
 
@@ -37,21 +38,17 @@ def prepare(device: int | str | None = None, socket: str | None = None, rank: in
     (`$WEIGHTCACHE_SOCKET`, else this `rank`'s device socket), where that names exactly one:
     a rank left unsaid with several devices in `$WEIGHTCACHE_DEVICES` maps nothing rather than
     another GPU's arena. Returns seconds per step, for a log line ("arena" only where the arena
-    was mapped: an agent that is absent or still loading is left to the attach)."""
+    was mapped: an agent that is absent or still loading is left to the attach). Where the
+    environment named the agent, the warm-up may have run at start already (`client.early`):
+    it is not done twice."""
     from . import session  # the attach module and everything it imports
 
     session.lease_threads.keep_one_idle()  # the attach's lease watcher, started now
-    took: dict[str, float] = {}
-    t0 = time.perf_counter()
-    _dry_run(map_readonly, _cpu_arena)
-    took["cpu"] = time.perf_counter() - t0
     if device is None:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    if device != "cpu":
-        t1 = time.perf_counter()
-        _prepare_cuda(int(str(device).removeprefix("cuda:")))
-        took["cuda"] = time.perf_counter() - t1
-    socket = socket or _socket_in_env(rank)
+    device = "cpu" if str(device) == "cpu" else int(str(device).removeprefix("cuda:"))
+    took = early.warmed(device) or warm(device)
+    socket = socket or socket_to_prepare(rank)
     if socket is not None:
         t2 = time.perf_counter()
         if map_ahead(socket):
@@ -59,14 +56,43 @@ def prepare(device: int | str | None = None, socket: str | None = None, rank: in
     return took
 
 
-def _socket_in_env(rank: int | None) -> str | None:
-    """The socket `attach` would use, where the environment names one for this rank; else None."""
-    if rank is None and len(device_uuids()) > 1 and not os.environ.get(ENV_SOCKET):
-        return None
-    try:
-        return socket_from_env(rank or 0)
-    except ValueError:  # no agent named: the engine attaches with an explicit socket, or from disk
-        return None
+def begin(socket: str | None = None) -> None:
+    """Prepare the attach path for the agent at `socket` (default: the one the environment names) on
+    a thread, while the engine goes on starting (`client.early`): what `prepare` does, but for the
+    agent's own device and without mapping its arena."""
+    early.begin(_warm_for_agent, socket)
+
+
+def _warm_for_agent(socket: str) -> tuple[int | str, dict[str, float]]:
+    from ..protocol import agent_status
+    from . import session  # the attach path's imports, off the engine's main thread
+
+    status = agent_status(socket, timeout=5.0)  # answered at once, loading or not
+    if status.get("backend") == "cuda":
+        from ..arena.devices import local_ordinal
+
+        device: int | str = local_ordinal(str(status.get("device")))  # the GPU the attach maps, no other
+    elif status.get("backend") == "cpu":
+        device = "cpu"
+    else:
+        raise ValueError(f"backend {str(status.get('backend'))[:40]!r}")
+    took = warm(device)
+    session.lease_threads.keep_one_idle()
+    return device, took
+
+
+def warm(device: int | str) -> dict[str, float]:
+    """The once-per-process part of `prepare`: the cpu path, and `device`'s (a CUDA ordinal) where
+    it is not "cpu". Seconds per step."""
+    took: dict[str, float] = {}
+    t0 = time.perf_counter()
+    _dry_run(map_readonly, _cpu_arena)
+    took["cpu"] = time.perf_counter() - t0
+    if device != "cpu":
+        t1 = time.perf_counter()
+        _prepare_cuda(int(device))
+        took["cuda"] = time.perf_counter() - t1
+    return took
 
 
 def _cpu_arena() -> tuple[Any, str]:

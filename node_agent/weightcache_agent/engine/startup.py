@@ -28,8 +28,9 @@ import json
 import logging
 import os
 import threading
-import time
 from typing import Any
+
+from ..logs import Phases as _Phases
 
 log = logging.getLogger("weightcache.engine")
 
@@ -41,36 +42,8 @@ def overlapped() -> bool:
     return os.environ.get(ENV_START, "overlapped") != "sequential"
 
 
-def process_start_time() -> float:
-    """This process's start as a `time.time()` value (from /proc; now, where there is none)."""
-    try:
-        with open("/proc/self/stat") as f:
-            after_name = f.read().rsplit(")", 1)[1].split()
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        # field 22 (starttime, in clock ticks after boot); after_name starts at field 3
-        return time.time() - uptime + int(after_name[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
-
-
-class Phases:
-    """Steps of this process's start-up, each as seconds since the process started."""
-
-    def __init__(self) -> None:
-        self.started = process_start_time()
-        self.at: dict[str, float] = {}
-        self._lock = threading.Lock()
-
-    def mark(self, step: str) -> float:
-        seconds = round(time.time() - self.started, 4)
-        with self._lock:
-            self.at[step] = seconds
-        return seconds
-
-    def as_dict(self) -> dict[str, float]:
-        with self._lock:
-            return dict(sorted(self.at.items(), key=lambda kv: kv[1]))
+class Phases(_Phases):
+    """`logs.Phases`, logged in one line."""
 
     def log(self, who: str) -> None:
         log.info("%s start-up (seconds since process start): %s", who, json.dumps(self.as_dict()))

@@ -5,7 +5,8 @@ that `AutoModelForCausalLM.from_pretrained(directory)` returns (bf16: the same l
 for bit), without allocating or initialising its weights (fused experts may be copies,
 below). Flow:
   1. config.json -> `AutoModelForCausalLM.from_config` under `torch.device("meta")`, in the
-     dtype the cache holds (the loader's own resolution of `dtype="auto"`);
+     dtype the cache holds (the loader's own resolution of `dtype="auto"`), while a thread warms
+     the attach path on the agent's device (`client.early`);
   2. fp8-block caches: every linear layer the cache quantized (`load.fp8.quantizable`)
      becomes transformers' `FP8Linear` (128x128 blocks), fused experts `FP8Experts`;
   3. `client.attach` with a `Materialize` that computes the non-persistent buffers the
@@ -45,6 +46,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.finegrained_fp8 import FP8Experts, FP8Linear, load_finegrained_fp8_kernel
 
 from ..client.materialize import Materialize, Pending
+from ..client import warmup
 from ..client.session import Attachment, attach
 from ..errors import AttachError
 from ..load import fp8
@@ -91,6 +93,8 @@ def from_cache(source: str | CacheSpec, *, socket: str | None = None, mode: str 
     else:
         spec = CacheSpec(model=source, quantization=quantization,
                          dtype=dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch."))
+    if mode != "off":
+        warmup.begin(socket)  # the attach path warmed while transformers builds the model
     model = build_meta(spec)
     report_box: dict[str, list[str]] = {"zero_copy": [], "copied": []}
     attachment = attach(model, spec, socket=socket, mode=mode, fallback=fallback,

@@ -4,8 +4,9 @@ An agent's cold load cannot fill before it has a plan and its arena (a CUDA cont
 on a GPU; torch too, seconds more, where a cast needs it), but the disk can already work:
 `Prefetch` reads the shard files in the order the fill will read them (file order, one
 sequential stream, the way a plain `cat` reads them) into the page cache, from the moment
-the agent starts, and keeps reading until the last file is in, at most `lead` bytes ahead
-of the fill (the page cache is not the arena: the lead bounds what is held twice). The
+the agent has checked its flags (before it imports the rest of itself or starts CUDA), and
+keeps reading until the last file is in, at most `lead` bytes ahead of the fill it
+`follow`s (the page cache is not the arena: the lead bounds what is held twice). The
 fill reads the same pages buffered (O_DIRECT would read every byte twice), each read only
 once the read-ahead has passed its bytes (`wait_past`): first at memory speed, until it
 catches up, then right behind the read-ahead. The disk sees the one sequential stream,
@@ -26,7 +27,6 @@ import time
 from typing import Callable
 
 from .pagecache import cached_share
-from .reading import at_normal_priority
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,14 @@ def shard_paths(directory: str) -> list[str]:
 
 
 class Prefetch:
-    """A thread reading `paths` ahead of a fill whose progress `done()` reports (bytes read)."""
+    """A thread reading `paths` ahead of a fill whose progress `done()` reports (bytes read; none
+    until the fill exists: `follow`)."""
 
-    def __init__(self, paths: list[str], done: Callable[[], int], lead: int = MIN_LEAD):
+    def __init__(self, paths: list[str], done: Callable[[], int] = lambda: 0, lead: int = MIN_LEAD):
         self.paths, self.done, self.lead = paths, done, lead
         self.read = 0
         self.seconds = 0.0
+        self.began = self.finished = 0.0  # time.time() of its first request and of its last byte read
         self._order = {os.path.realpath(p): i for i, p in enumerate(paths)}
         self._at = (0, 0)  # (index of the file being read, bytes of it read)
         self._ended = False
@@ -74,6 +76,12 @@ class Prefetch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
         self._thread.start()
+
+    def follow(self, done: Callable[[], int], lead: int | None = None) -> None:
+        """Stay at most `lead` (default: as it is) bytes ahead of the fill whose bytes read `done()` says."""
+        self.done = done
+        if lead is not None:
+            self.lead = lead
 
     def stop(self) -> None:
         self._stop.set()
@@ -98,8 +106,12 @@ class Prefetch:
             self._moved.notify_all()
 
     def _run(self) -> None:
-        at_normal_priority()
+        if os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) < 0:  # born after the agent raised its own
+            from .reading import at_normal_priority
+
+            at_normal_priority()
         started = time.monotonic()
+        self.began = time.time()
         buf = bytearray(CHUNK)
         view = memoryview(buf)
         try:
@@ -125,6 +137,7 @@ class Prefetch:
                             break
                         position += n
                         self.read += n
+                        self.finished = time.time()
                         self._advance(index, position)
                 finally:
                     os.close(fd)

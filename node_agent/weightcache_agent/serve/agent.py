@@ -53,6 +53,7 @@ from ..arena.cpu import CpuArena, available_memory, new_cpu_arena
 from ..arena.devices import Device
 from ..arena.digest import ArenaDigest, new_key
 from ..load.prefetch import Prefetch, lead_for, shard_paths
+from ..logs import Phases
 from ..load.progress import LoadProgress
 from ..packed_rows import PackedRows
 from ..spec import CacheSpec
@@ -60,6 +61,7 @@ from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, c
                      read_private, write_private)
 from .integrity import SCRUB_INTERVAL, Scrubber
 from .prepared_record import RecordedCache, read_record, write_record
+from .sidecar import sidecar_path
 
 if TYPE_CHECKING:  # the loader's modules: imported when a load from disk needs them (see `load`)
     from ..load.peer_copy import PeerArena
@@ -132,9 +134,12 @@ class Agent:
                  policy: SocketPolicy | None = None, max_leases: int = MAX_LEASES, max_pending: int = MAX_PENDING,
                  on_promote: Callable[[Lease], None] | None = None, peer: str | None = None,
                  max_leases_per_uid: int | None = None, max_pending_per_uid: int | None = None,
-                 max_connections_per_uid: int | None = None, scrub_interval: float = SCRUB_INTERVAL):
+                 max_connections_per_uid: int | None = None, scrub_interval: float = SCRUB_INTERVAL,
+                 read_ahead: Prefetch | None = None):
         self.spec = spec
         self.peer = peer  # another replica's socket for this rank: copy its arena instead of reading the disk
+        self._read_ahead = read_ahead  # the checkpoint read into the page cache since the process started
+        self.startup = Phases()  # the load's steps, seconds since the process started
         self.filled_from = "disk"
         self.planned_from = "checkpoint"  # or "record" (a predecessor's), "peer" (another replica's record)
         # Called (on the thread that promoted) right after a standby is told it is primary:
@@ -266,11 +271,17 @@ class Agent:
             # A load from disk is coming: keep the disk busy while CUDA and the plan start up.
             # (One rank reads every byte; a tensor-parallel rank reads only its shards, so whole files would waste the disk.)
             paths = shard_paths(os.path.abspath(self.spec.model))
-            prefetch = Prefetch(paths, lambda: self.progress.bytes_done, lead_for(paths, self.device.backend == "cpu"))
+            lead = lead_for(paths, self.device.backend == "cpu")
+            prefetch = self._read_ahead or Prefetch(paths, lead=lead)
+            prefetch.follow(lambda: self.progress.bytes_done, lead)
+        elif self._read_ahead is not None:
+            self._read_ahead.stop()
+        self._read_ahead = None
         peer = None
         try:
             # Device start-up (a CUDA context: ~0.2 s) is the process's, not the load's: keep it out of load_seconds.
             device_mark = self._device_mark_value = self._device_mark()
+            self.startup.mark("device ready")
             t0 = time.monotonic()
             recorded = None
             if adopting:
@@ -285,6 +296,7 @@ class Agent:
                 self.planned_from = "peer" if recorded else "checkpoint"
             self.prepared = recorded or _prepare(self.spec, device_mark)
             self.timings["prepare"] = time.monotonic() - t0 - (peer.wait_seconds if peer else 0.0)
+            self.startup.mark("planned")
             self._adoptable = self.adopt_wait > 0 and bool(self._previous_leases())
             self._prepared.set()
             if self._adoptable:
@@ -318,9 +330,11 @@ class Agent:
                 t1 = time.monotonic()
                 arena = self._new_arena(self.prepared.layout.size)
                 t2 = time.monotonic()
+                self.startup.mark("arena allocated")
                 self.cache = fill_cache(self.prepared, arena, self.progress, show_bar=self.show_progress, started=t0,
                                         read_ahead=prefetch)
                 self.timings.update(allocate=t2 - t1, fill=time.monotonic() - t2)
+                self.startup.mark("filled")
                 recorded = None
         except BaseException as e:
             self.phase, self.error = "failed", str(e)
@@ -331,7 +345,10 @@ class Agent:
             if prefetch is not None:
                 prefetch.stop()
                 self.prefetched = prefetch.read
-                self.timings["prefetch"] = prefetch.seconds  # from load start until its last byte (or stop)
+                self.timings["prefetch"] = prefetch.seconds  # from its first request until its last byte (or stop)
+                if prefetch.read:
+                    self.startup.mark("read-ahead: first request", prefetch.began)
+                    self.startup.mark("read-ahead: last byte", prefetch.finished)
             if peer is not None:
                 peer.close()
         self._guard_arena(self.cache.arena, fresh=not self.adopted)
@@ -353,6 +370,7 @@ class Agent:
                 write_record(self._record_path, self.prepared)
             except OSError as e:  # a restart then plans from the checkpoint: slower, not wrong
                 log.warning("cannot record the prepared cache in %s: %s", self._record_path, e.strerror or e)
+        self.startup.mark("ready")
         self.phase = "ready"
         self._ready.set()
 
@@ -684,6 +702,7 @@ class Agent:
             "tensors": len(cache.layout.slots) if cache else 0,
             "load_seconds": cache.load_seconds if cache else None,
             "load_breakdown": self.timings,
+            "startup": self.startup.as_dict(),
             "prefetched_bytes": self.prefetched,
             # The agent's own high-water mark (a cold load's staging, a manifest), not the arena's memory.
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -1391,11 +1410,6 @@ def _answers(path: str) -> bool:
         return False
     finally:
         probe.close()
-
-
-def sidecar_path(socket_path: str, kind: str) -> str:
-    """The hidden file beside a socket: `.NAME.lock` (one agent per socket), `.NAME.state` (for re-adoption)."""
-    return os.path.join(os.path.dirname(socket_path), f".{os.path.basename(socket_path)}.{kind}")
 
 
 class Sampled:

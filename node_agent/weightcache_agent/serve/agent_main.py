@@ -28,6 +28,7 @@ from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAG
 
 if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
     from ..arena.devices import Device
+    from ..load.prefetch import Prefetch
 
 log = logging.getLogger("weightcache.agent")
 PROG = "weightcache agent"
@@ -163,14 +164,11 @@ def main(argv: list[str]) -> int:
     if (problem := interval_problem()) is not None:  # before any worker: each would refuse it alike
         return refuse(PROG, problem, EXIT_USAGE)
     configure(args.log_format)
-    raise_priority(args.nice)
-    # A thread per client: when dozens attach at once, a status request waits for the GIL behind
-    # them, up to one switch interval per hand-over (5 ms by default).
-    sys.setswitchinterval(SWITCH_INTERVAL)
     problem = preflight(args)
     if problem:
         return refuse(PROG, problem, EXIT_USAGE)
     if args.socket_dir is not None:
+        raise_priority(args.nice)
         from .supervisor import run_node
 
         return run_node(args, parser)
@@ -185,13 +183,43 @@ def main(argv: list[str]) -> int:
         return refuse(PROG, str(e), EXIT_USAGE)
     except ValueError as e:
         return refuse(PROG, f"bad spec: {e}", EXIT_USAGE)
-
-    from .access import AccessError, SocketPolicy, check_socket_place
+    from .access import AccessError, check_socket_place
 
     try:
         check_socket_place(args.socket)
     except AccessError as e:
         return refuse(PROG, str(e), EXIT_FAILED)
+    read_ahead = start_read_ahead(args)  # before the priority is raised: this thread keeps the one it was born with
+    try:
+        return _serve(args, spec, read_ahead)
+    finally:
+        if read_ahead is not None:  # a refusal, or the load is over (it stopped it then)
+            read_ahead.stop()
+
+
+def start_read_ahead(args: argparse.Namespace) -> "Prefetch | None":
+    """The checkpoint's files read into the page cache from now on, while this process goes on
+    starting (its imports, the GPU's context, the plan), for the load to read behind
+    (load/prefetch.py). None where a load from disk of whole files is not coming: a
+    tensor-parallel rank (it reads only its shards), a replica that copies a peer's arena, an agent
+    whose predecessor's state file is beside the socket (it may adopt an engine's arena)."""
+    from .sidecar import sidecar_path
+
+    if args.tp_size != 1 or args.peer_socket or os.path.lexists(sidecar_path(os.path.abspath(args.socket), "state")):
+        return None
+    from ..load.prefetch import Prefetch, lead_for, shard_paths
+
+    paths = shard_paths(os.path.abspath(args.model))
+    # The backend is not known yet (that needs the driver): bound the lead as for a host arena until the load says.
+    return Prefetch(paths, lead=lead_for(paths, host_arena=True)) if paths else None
+
+
+def _serve(args: argparse.Namespace, spec: CacheSpec, read_ahead: "Prefetch | None") -> int:
+    raise_priority(args.nice)
+    # A thread per client: when dozens attach at once, a status request waits for the GIL behind
+    # them, up to one switch interval per hand-over (5 ms by default).
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    from .access import AccessError, SocketPolicy
     from .agent import Agent  # after the spec and path checks: refusals stay instant
     from .stop import StopFlag
 
@@ -207,7 +235,7 @@ def main(argv: list[str]) -> int:
                   max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,
                   max_connections_per_uid=args.max_connections_per_uid, scrub_interval=args.scrub_interval,
                   on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None,
-                  peer=args.peer_socket)
+                  peer=args.peer_socket, read_ahead=read_ahead)
     try:
         agent.bind()
     except AccessError as e:
