@@ -1085,12 +1085,20 @@ class Agent:
         if held >= self.max_leases_per_uid:
             return protocol.error_message("too_many_leases", f"uid {uid} holds its cap of {self.max_leases_per_uid} "
                                                              "leases (and arenas handed out ahead of an attach)")
-        # A group belongs to the uid that holds its leases (root may join any): another uid can
-        # neither squat a role in it nor take it over.
-        if group is not None and uid != 0 and any(
-                lease.group == group and lease.uid != uid for lease in self._leases.values()):
+        owner = self._group_owner(group) if group is not None and uid != 0 else None
+        if owner is not None and owner != uid:
             return protocol.error_message("group_taken", f"group {group!r} belongs to another user")
         return None
+
+    def _group_owner(self, group: str) -> int | None:
+        """The uid a group belongs to while it has leases: its first non-root claimant's (root may join
+        any group as a guest without taking it over), else root's when only root holds it. Another
+        uid can neither squat a role in it nor take it over. Call with `_lock` held."""
+        members = [lease for lease in self._leases.values() if lease.group == group]
+        if not members:
+            return None
+        users = [lease for lease in members if lease.uid != 0]
+        return min(users, key=lambda lease: lease.since).uid if users else 0
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=True)
