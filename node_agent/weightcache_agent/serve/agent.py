@@ -704,6 +704,8 @@ class Agent:
             # Whether the served arena still holds what was loaded: state verified / tampered /
             # unverified / unavailable / error, the scrub's schedule and cost, arenas found changed.
             "integrity": self._integrity(),
+            # TokenReviews sent to prove engines' pods (null off Kubernetes): repeats are cached.
+            "identity_reviews": self.pod_verifier.reviews if self.pod_verifier is not None else None,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
