@@ -9,7 +9,9 @@ other connection a thread of its own; an attach waits until the cache is ready, 
 the engine's fingerprint fields, and replies with the manifest plus the arena fd. From
 then on the connection *is* the lease: when it drops, the agent knows the engine is
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
-its own socket at once. A bad client -- garbage, wrong version, oversize frame, silence,
+its own socket at once. In a cluster the pod a lease names is proven by the engine pod's
+projected token (serve/pod_identity.py), never taken from the request; a group belongs to
+the uid (and, in a cluster, the namespace) that claims it. A bad client -- garbage, wrong version, oversize frame, silence,
 a frame trickled byte by byte, death mid-handshake -- is logged and dropped within one
 request deadline; nobody else notices.
 
@@ -1152,13 +1154,13 @@ class Agent:
             else:
                 if group is None or group_namespace(group) == identity.namespace:
                     return identity.pod(), True
-                log.warning("refused pid=%s uid=%s (pod %s/%s): group %r is not of namespace %s", peer, uid,
-                            identity.namespace, identity.name, group[:64], identity.namespace)
+                self._refusals.warn(f"refused pid={peer} uid={uid} (pod {identity.namespace}/{identity.name}): "
+                                    f"group {group[:64]!r} is not of its namespace")
                 protocol.send_message(conn, protocol.error_message(
                     "group_forbidden", f"pod {identity.namespace}/{identity.name} may only join groups of its "
                                        f"namespace ({identity.namespace}/...)"))
                 return None
-        log.warning("refused pid=%s uid=%s: %s", peer, uid, refusal)
+        self._refusals.warn(f"refused pid={peer} uid={uid}: {refusal}")  # a flood is a line a second
         protocol.send_message(conn, protocol.error_message("identity_refused", refusal))
         return None
 
