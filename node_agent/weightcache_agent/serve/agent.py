@@ -11,9 +11,9 @@ then on the connection *is* the lease: when it drops, the agent knows the engine
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
 its own socket at once. In a cluster the pod a lease names is proven by the engine pod's
 projected token (serve/pod_identity.py), never taken from the request; a group belongs to
-the uid (and, in a cluster, the namespace) that claims it. A bad client -- garbage, wrong version, oversize frame, silence,
-a frame trickled byte by byte, death mid-handshake -- is logged and dropped within one
-request deadline; nobody else notices.
+the uid (and, in a cluster, the namespace) that claims it. A bad client -- garbage, wrong
+version, oversize frame, silence, a frame trickled byte by byte, death mid-handshake -- is
+logged and dropped within one request deadline; nobody else notices.
 
 Re-adoption is where a client could otherwise hand the agent bytes of its own, so it takes
 proof. Each lease gets a random token in its manifest reply; the agent records the token's
