@@ -16,7 +16,9 @@ labels, annotations, ``spec.nodeName``, ``spec.serviceAccountName``,
 does. As a kubelet mounts a service-account token, the process gets
 ``KUBERNETES_SERVICE_HOST``/``PORT`` of the test API server and, in files named by
 ``WEIGHTCACHE_KUBE_TOKEN`` and ``WEIGHTCACHE_KUBE_CA``, a token of the pod's service account
-bound to the pod (unless ``automountServiceAccountToken`` is false) and the cluster CA.
+bound to the pod (unless ``automountServiceAccountToken`` is false) and the cluster CA; a
+``projected`` volume's ``serviceAccountToken`` sources are minted for their audience, bound
+to the pod, and written where the volume is mounted (with ``host_root``).
 Any other pod (no command, an image-only command, ``run_commands=False``) is only marked
 Running: enough for pods that must merely look alive.
 
@@ -295,6 +297,8 @@ class FakeKubelet:
                     local.mkdir(parents=True, exist_ok=True)
             elif "secret" in volume or "configMap" in volume:
                 local = self._projected(run, m["name"], volume)
+            elif "projected" in volume:
+                local = self._projected_tokens(run, m["name"], volume["projected"])
             else:
                 continue
             out.append((m["mountPath"].rstrip("/") or "/", str(local)))
@@ -316,6 +320,24 @@ class FakeKubelet:
         for item in items:
             if item["key"] in data:
                 (local / item["path"]).write_bytes(data[item["key"]])
+        return local
+
+    def _projected_tokens(self, run: PodRun, name: str, projected: dict[str, Any]) -> Path:
+        """A projected volume's service-account tokens, minted as the kubelet does: for the
+        source's audience, bound to the pod (other kinds of source are left out)."""
+        local = self.log_dir / f"{run.namespace}_{run.name}.volumes" / name
+        local.mkdir(parents=True, exist_ok=True)
+        sa = run.pod.get("spec", {}).get("serviceAccountName") or "default"
+        for source in projected.get("sources") or []:
+            token = source.get("serviceAccountToken")
+            if not token:
+                continue
+            req = self.api.create(f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", {
+                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                "spec": {"audiences": [token["audience"]] if token.get("audience") else None,
+                         "expirationSeconds": token.get("expirationSeconds", 3600),
+                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}}})
+            (local / token["path"]).write_text(req["status"]["token"])
         return local
 
     @staticmethod

@@ -117,8 +117,13 @@ def test_dra_pod_carries_the_contract() -> None:
         assert env["WEIGHTCACHE_POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
         assert env["WEIGHTCACHE_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
         assert "NVIDIA_VISIBLE_DEVICES" not in env
-        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml.qwen.27a2e89b93"} in c["volumeMounts"]
+        # read-only: the engine connects, and cannot replace the socket, lock or state files
+        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml.qwen.27a2e89b93",
+                "readOnly": True} in c["volumeMounts"]
         assert {"name": "weightcache-models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+        assert {"name": "weightcache-identity", "mountPath": "/var/run/secrets/weightcache.io",
+                "readOnly": True} in c["volumeMounts"]
+        assert env["WEIGHTCACHE_IDENTITY_TOKEN"] == "/var/run/secrets/weightcache.io/token"
     assert env_of(engine)["LOG"] == "1"
     # The device plugin's GPU count goes (the claim brings the GPUs); everything else stays.
     assert engine["resources"] == {"limits": {"memory": "32Gi"}, "requests": {"cpu": "4"},
@@ -127,6 +132,9 @@ def test_dra_pod_carries_the_contract() -> None:
     assert volumes["cache"] == {"name": "cache", "emptyDir": {}}
     assert volumes["weightcache-sockets"]["hostPath"] == {"path": "/run/weightcache/ml.qwen.27a2e89b93", "type": "Directory"}
     assert volumes["weightcache-models"]["hostPath"] == {"path": "/models", "type": "Directory"}
+    # the pod's proof of identity for the agent: bound to the pod, for weightcache's audience only
+    assert volumes["weightcache-identity"]["projected"] == {"sources": [{"serviceAccountToken": {
+        "audience": "weightcache.io", "expirationSeconds": 3600, "path": "token"}}]}
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
     # The template itself is not modified by rendering.
     assert engineset().template == TEMPLATE

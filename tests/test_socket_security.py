@@ -321,9 +321,13 @@ def test_a_second_uid_cannot_connect_by_default_and_can_with_the_socket_group(mo
             assert reply == {"type": "manifest", "code": None}, reply
             (lease,) = grouped.status()["clients"]
             assert (lease["pid"], lease["uid"], lease["group"]) == (child, OTHER_UID, "prod")
+            # Another non-root uid may take no role in it; root may join it (never taking it over).
             for role in ("primary", "standby"):
-                refused = ask(grouped.socket, dict(request, role=role))
-                assert refused["code"] == "group_taken", refused
+                pid, refused, other = hold_lease_as(OTHER_UID + 1, OTHER_UID, grouped.socket, dict(request, role=role))
+                os.close(other)
+                os.waitpid(pid, 0)
+                assert refused == {"type": "error", "code": "group_taken"}, refused
+            assert ask(grouped.socket, request)["code"] == "primary_exists"
         finally:
             os.close(release)
             os.waitpid(child, 0)

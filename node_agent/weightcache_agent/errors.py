@@ -41,6 +41,10 @@ class AgentUnavailable(WeightCacheError):
     """No agent answered on the socket (not running, or it went away)."""
 
 
+class UntrustedAgent(AgentUnavailable):
+    """What serves the socket is not the agent: its process runs as a uid the client does not trust."""
+
+
 class AttachError(WeightCacheError):
     """The cache does not fit the module: shape, dtype, or tensors left on meta."""
 

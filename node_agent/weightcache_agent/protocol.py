@@ -10,9 +10,11 @@ A binary frame (magic `WCAB`, same header) carries bytes a JSON frame just befor
 
 Messages (client -> agent):
   {"type": "status"}                                   -> {"type": "status", ...}
-  {"type": "attach", "pid", "role", "group", "pod", "request"} -> {"type": "manifest", ...} + fds, then
-      the connection is the lease; the agent may later send {"type": "promote"} or {"type": "demote"}.
-      role "auto": primary when the group has none, else standby. pod: {namespace, name, uid} or null.
+  {"type": "attach", "pid", "role", "group", "pod", "identity_token"?, "request"} -> {"type": "manifest", ...}
+      + fds, then the connection is the lease; the agent may later send {"type": "promote"} or
+      {"type": "demote"}. role "auto": primary when the group has none, else standby. pod:
+      {namespace, name, uid} or null. identity_token: the engine pod's projected service-account
+      token (audience weightcache.io); an agent in a cluster takes the pod from it, not from "pod".
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
   {"type": "arena", "role"?, "group"?}                 -> {"type": "arena", "backend", "arenas"} + fds: the
@@ -44,7 +46,11 @@ The agent reads a request under one deadline for the whole frame and accepts fds
 its first bytes (`MAX_REQUEST_FDS`); deep nesting and over-long integers are protocol errors.
 
 `connect` and `agent_status` are the smallest client: the status request that the CLI,
-the node supervisor and the engine all make, with nothing of attach behind it.
+the node supervisor and the engine all make, with nothing of attach behind it. `connect`
+checks who serves the socket before a byte is sent: the kernel's credentials of the
+listening process (SO_PEERCRED) must be root's or the trusted agent uid's
+(`$WEIGHTCACHE_AGENT_UID`, else the client's own): an agent someone else runs in a
+directory renamed into the path is refused.
 """
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ import struct
 import time
 from typing import Any
 
-from .errors import AgentUnavailable, ProtocolError, WeightCacheError
+from .errors import AgentUnavailable, ProtocolError, UntrustedAgent, WeightCacheError
 
 MAGIC = b"WCAP"
 PAYLOAD_MAGIC = b"WCAB"  # a binary frame: the bytes a JSON frame before it announced
@@ -68,6 +74,7 @@ MAX_FDS = 64  # what a client accepts with a manifest
 # What the agent accepts with a request: only a `rejoin` carries fds (one per arena), and
 # only on the first segment of its frame; anything more is closed by the kernel or by us.
 MAX_REQUEST_FDS = 4
+ENV_AGENT_UID = "WEIGHTCACHE_AGENT_UID"  # the uid a client trusts to serve the socket, besides root
 MAX_JSON_DEPTH = 32  # far deeper than any message of ours nests
 # What one request may build, counted before it is parsed: every '{', '[' and ',' of the body
 # (each at most one container or one element). A real request has a few dozen; a 1 MiB body of
@@ -306,14 +313,37 @@ def peer_pid(sock: socket.socket) -> int | None:
     return peer_credentials(sock)[0]
 
 
-def connect(path: str) -> socket.socket:
-    """A connection to the agent at `path`, or `AgentUnavailable` saying why not."""
+def trusted_agent_uids(agent_uid: int | None = None) -> tuple[int, ...]:
+    """Who may serve an agent socket to this process: root, and `agent_uid`, else
+    `$WEIGHTCACHE_AGENT_UID`, else this process's own uid."""
+    if agent_uid is None:
+        raw = os.environ.get(ENV_AGENT_UID, "").strip()
+        if raw:
+            if not raw.isdigit():
+                raise ValueError(f"${ENV_AGENT_UID}={raw!r} is not a uid: set it to the number the agent runs as")
+            agent_uid = int(raw)
+        else:
+            agent_uid = os.geteuid()
+    return (0, agent_uid)
+
+
+def connect(path: str, agent_uid: int | None = None) -> socket.socket:
+    """A connection to the agent at `path`, or `AgentUnavailable` saying why not; `UntrustedAgent`
+    when the process serving it runs as a uid other than root or the trusted one
+    (`trusted_agent_uids`)."""
+    trusted = trusted_agent_uids(agent_uid)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         conn.connect(path)
     except OSError as e:
         conn.close()
         raise AgentUnavailable(f"no agent answers at {path}: {e.strerror or e}") from None
+    pid, uid, _gid = peer_credentials(conn)
+    if uid not in trusted:
+        conn.close()
+        raise UntrustedAgent(f"refusing the agent at {path}: it runs as uid {uid} (pid {pid}), and only "
+                             f"{' or '.join(f'uid {u}' for u in sorted(set(trusted)))} may serve weights to this "
+                             f"process; set ${ENV_AGENT_UID} if the agent runs as another uid")
     return conn
 
 

@@ -12,8 +12,11 @@ docs/engineset.md. What one EngineSet ``<ns>/<name>`` becomes:
   - Pods ``<name>-<g>-<slot>``, slot 0..standbys: the user's template plus the node
     (nodeSelector ``kubernetes.io/hostname``), the GPUs (the claim, or
     ``NVIDIA_VISIBLE_DEVICES`` with a RuntimeClass), the ``WEIGHTCACHE_*``
-    environment, the cache's socket directory and model root, and the labels the
-    Service selects on. Names never encode a role: the agent decides who is primary;
+    environment, the cache's socket directory (read-only: connecting works, replacing
+    the socket, lock or state files does not) and model root, the pod's identity token
+    (a projected service-account token with audience ``weightcache.io``, which the
+    agent verifies at attach), and the labels the Service selects on. Names never
+    encode a role: the agent decides who is primary;
 - Service ``spec.service.name`` (default ``<name>``): the pods of this EngineSet
   labelled ``weightcache.io/serving=true``, one per group.
 
@@ -54,10 +57,15 @@ HOSTNAME_LABEL = "kubernetes.io/hostname"
 CLAIM_REF = "weightcache-gpus"
 SOCKET_VOLUME = "weightcache-sockets"
 MODEL_VOLUME = "weightcache-models"
+IDENTITY_VOLUME = "weightcache-identity"
+IDENTITY_MOUNT = "/var/run/secrets/weightcache.io"
+IDENTITY_AUDIENCE = "weightcache.io"
+IDENTITY_TOKEN_SECONDS = 3600  # the kubelet renews it at 80% of this
 CLAIM_REQUEST = "gpus"
 ENV_NAMES = (
     "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES", "WEIGHTCACHE_GROUP", "WEIGHTCACHE_ROLE", "WEIGHTCACHE_MODEL",
-    "WEIGHTCACHE_POD_NAME", "WEIGHTCACHE_POD_NAMESPACE", "WEIGHTCACHE_POD_UID", "NVIDIA_VISIBLE_DEVICES",
+    "WEIGHTCACHE_POD_NAME", "WEIGHTCACHE_POD_NAMESPACE", "WEIGHTCACHE_POD_UID", "WEIGHTCACHE_IDENTITY_TOKEN",
+    "NVIDIA_VISIBLE_DEVICES",
 )
 
 
@@ -146,6 +154,7 @@ def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement, model: str,
         {"name": "WEIGHTCACHE_POD_NAME", "valueFrom": field("metadata.name")},
         {"name": "WEIGHTCACHE_POD_NAMESPACE", "valueFrom": field("metadata.namespace")},
         {"name": "WEIGHTCACHE_POD_UID", "valueFrom": field("metadata.uid")},
+        {"name": "WEIGHTCACHE_IDENTITY_TOKEN", "value": f"{IDENTITY_MOUNT}/token"},
     ]
     if es.mode == "visibleDevices":
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(p.gpus)})
@@ -181,15 +190,19 @@ def render_pod(
                    ANNOTATION_MODEL: model_label(cs)}
 
     ours = _env(es, namespace, name, p, model_dir(cs), role)
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets},
-              {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True}]
+    # The socket directory read-only: connect() works through a read-only mount, while
+    # unlinking or renaming the socket, its lock or its state file does not.
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets, "readOnly": True},
+              {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
+              {"name": IDENTITY_VOLUME, "mountPath": IDENTITY_MOUNT, "readOnly": True}]
+    ours_volumes = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME)
     containers = []
     for c in spec["containers"]:
         c = dict(c)
         c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + ours
         c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
-                             if m.get("name") not in (SOCKET_VOLUME, MODEL_VOLUME)
-                             and m.get("mountPath") not in (sockets, MODEL_MOUNT)] + mounts
+                             if m.get("name") not in ours_volumes
+                             and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT)] + mounts
         resources = _strip_gpu_resource(c.get("resources") or {})
         if es.mode == "dra":
             claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
@@ -206,10 +219,14 @@ def render_pod(
                                   "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True}}
     else:
         models = {"name": MODEL_VOLUME, "hostPath": {"path": config.model_root, "type": "Directory"}}
-    spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in (SOCKET_VOLUME, MODEL_VOLUME)] + [
+    spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in ours_volumes] + [
         # The agent creates the directory; an engine scheduled before it waits in ContainerCreating.
         {"name": SOCKET_VOLUME, "hostPath": {"path": sockets, "type": "Directory"}},
         models,
+        # Which pod this is, as the API server will confirm to the agent: a token bound to the
+        # pod, for weightcache's audience only (useless against the API server itself).
+        {"name": IDENTITY_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+            "audience": IDENTITY_AUDIENCE, "expirationSeconds": IDENTITY_TOKEN_SECONDS, "path": "token"}}]}},
     ]
     spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), HOSTNAME_LABEL: p.node}
     tolerations = list(spec.get("tolerations") or [])

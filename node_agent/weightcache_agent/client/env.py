@@ -10,6 +10,8 @@ import os
 
 ENV_SOCKET, ENV_SOCKET_DIR, ENV_DEVICES = "WEIGHTCACHE_SOCKET", "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES"
 ENV_ROLE, ENV_GROUP = "WEIGHTCACHE_ROLE", "WEIGHTCACHE_GROUP"
+ENV_IDENTITY_TOKEN = "WEIGHTCACHE_IDENTITY_TOKEN"  # file of the pod's projected token (audience weightcache.io)
+MAX_IDENTITY_TOKEN_BYTES = 8192
 ENV_POD = {"namespace": "WEIGHTCACHE_POD_NAMESPACE", "name": "WEIGHTCACHE_POD_NAME", "uid": "WEIGHTCACHE_POD_UID"}
 
 
@@ -52,3 +54,23 @@ def socket_to_prepare(rank: int | None = None) -> str | None:
         return socket_from_env(rank or 0)
     except ValueError:  # no agent named: the engine attaches with an explicit socket, or from disk
         return None
+
+
+def identity_token_from_env() -> str | None:
+    """The engine pod's projected service-account token, read from the file
+    `$WEIGHTCACHE_IDENTITY_TOKEN` names (the operator mounts it), or None when that is unset:
+    off Kubernetes no token is sent. Read at each attach: the kubelet rotates the file."""
+    path = os.environ.get(ENV_IDENTITY_TOKEN)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_IDENTITY_TOKEN_BYTES + 1)
+    except OSError as e:
+        raise ValueError(f"${ENV_IDENTITY_TOKEN}={path}: cannot read the pod's identity token: "
+                         f"{e.strerror or e}") from None
+    token = raw.decode(errors="replace").strip()
+    if not token or len(raw) > MAX_IDENTITY_TOKEN_BYTES:
+        raise ValueError(f"${ENV_IDENTITY_TOKEN}={path}: not a service-account token (empty or over "
+                         f"{MAX_IDENTITY_TOKEN_BYTES} bytes)")
+    return token

@@ -35,7 +35,7 @@ from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
 from . import early
 from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
-                  pod_from_env, socket_from_env)
+                  identity_token_from_env, pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .rebind import bind_manifest, survey
 from .mapping import map_arena, map_arena_meanwhile, map_cpu, take as take_premapped  # noqa: F401 (map_arena re-exported)
@@ -182,12 +182,14 @@ class Attachment:
                 continue
             try:
                 conn.settimeout(30)
+                identity = identity_token_from_env()
                 protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
                                              "pod": self.pod, "token": self._rejoin_token,
+                                             **({"identity_token": identity} if identity else {}),
                                              "fields": self.fields, "fingerprint": self.fingerprint,
                                              "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
                 reply, _ = protocol.recv_message(conn, protocol.MAX_REQUEST_BYTES)
-            except (EOFError, OSError, ProtocolError):
+            except (EOFError, OSError, ProtocolError, ValueError):
                 conn.close()
                 continue
             if reply["type"] != "rejoined":
@@ -414,8 +416,12 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
 
 def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
                  request: dict[str, Any]) -> None:
-    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod,
-                                 "request": request, "manifest": "packed"})
+    message = {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod, "request": request,
+               "manifest": "packed"}
+    identity = identity_token_from_env()  # in a pod: the proof of which pod this is (never sent off Kubernetes)
+    if identity:
+        message["identity_token"] = identity
+    protocol.send_message(conn, message)
 
 
 def _manifest_reply(conn: socketlib.socket) -> tuple[dict, list[int]]:

@@ -3,9 +3,12 @@
 The socket is the trust boundary: whoever can connect can attach, and an attached engine
 maps the weights. So the agent decides that itself instead of inheriting it from a umask:
 
-- the socket directory is created 0750 (group: the socket group) and refused when someone
-  other than root or the agent could rename or delete entries in it -- that is what keeps
-  the lock file and the state file beside the socket out of clients' reach;
+- the socket directory is created 0750 (group: the socket group), any missing directory
+  above it 0755 (whatever the umask), and the path is refused when someone other than root
+  or the agent could rename or delete an entry in the socket directory or in any directory
+  above it (as named and as resolved): that keeps the lock file and the state file beside
+  the socket out of clients' reach, and stops anyone from renaming a directory of their own
+  into the path, with an agent of their own behind it;
 - the socket is bound under a umask that leaves it 0660, then set to exactly that, with the
   socket group as its group;
 - every accepted peer's credentials (SO_PEERCRED, SO_PEERGROUPS) are checked again against
@@ -34,6 +37,7 @@ from ..errors import WeightCacheError
 
 SOCKET_MODE = 0o660
 DIR_MODE = 0o750
+PARENT_MODE = 0o755
 STATE_MODE = 0o600
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_STATE_BYTES = 1 << 20
@@ -97,10 +101,11 @@ def prepare_dir(directory: str, policy: SocketPolicy) -> None:
             if blocker is not None:
                 raise AccessError(f"cannot create socket directory {directory}: {blocker} is not a directory; choose "
                                   "a socket path in a directory")
-            os.makedirs(directory, mode=DIR_MODE, exist_ok=True)
-            os.chmod(directory, DIR_MODE)
+            check_ancestors(parent)
+            _make_dirs(directory)
             if policy.gid is not None:
                 os.chown(directory, -1, policy.gid)
+        check_ancestors(parent)
         st = os.stat(directory)
     except AccessError:
         raise
@@ -116,6 +121,50 @@ def prepare_dir(directory: str, policy: SocketPolicy) -> None:
                           "who could remove the agent's lock and state files: make it 0750")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise AccessError(f"socket directory {directory} is not writable by the agent")
+
+
+def _make_dirs(directory: str) -> None:
+    """`directory` 0750 and every missing one above it 0755, set explicitly: a umask of 000
+    must not leave a directory on the socket's path writable by everyone."""
+    missing = []
+    path = os.path.abspath(directory)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for path in reversed(missing):
+        try:
+            os.mkdir(path, PARENT_MODE)
+        except FileExistsError:
+            if not os.path.isdir(path):
+                raise
+            continue  # made meanwhile by someone else: check_ancestors judges it
+        os.chmod(path, DIR_MODE if path == missing[0] else PARENT_MODE)
+
+
+def check_ancestors(directory: str) -> None:
+    """Refuse when anyone but root or the agent could rename an entry of `directory` or of a
+    directory above it, followed as named and as resolved: that person could move the socket
+    directory aside and put one of their own in its place."""
+    named = os.path.abspath(directory)
+    for chain in (named, os.path.realpath(named)):
+        path = "/"
+        for part in [""] + [p for p in chain.split("/") if p]:
+            path = os.path.join(path, part)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break
+            if stat.S_ISLNK(st.st_mode):
+                continue  # the link's directory was checked; its target is checked as resolved
+            if not stat.S_ISDIR(st.st_mode):
+                break  # _file_in_the_way names it
+            if st.st_uid not in (0, os.geteuid()):
+                raise AccessError(f"{path}, on the socket's path, belongs to uid {st.st_uid}, who could rename the "
+                                  "socket directory and put another in its place: use a path owned by root")
+            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                raise AccessError(f"{path}, on the socket's path, is writable by others (mode "
+                                  f"{stat.S_IMODE(st.st_mode):o}) without the sticky bit: they could rename the "
+                                  "socket directory and put another in its place; make it 0755")
 
 
 def _file_in_the_way(path: str) -> str | None:

@@ -9,9 +9,11 @@ other connection a thread of its own; an attach waits until the cache is ready, 
 the engine's fingerprint fields, and replies with the manifest plus the arena fd. From
 then on the connection *is* the lease: when it drops, the agent knows the engine is
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
-its own socket at once. A bad client -- garbage, wrong version, oversize frame, silence,
-a frame trickled byte by byte, death mid-handshake -- is logged and dropped within one
-request deadline; nobody else notices.
+its own socket at once. In a cluster the pod a lease names is proven by the engine pod's
+projected token (serve/pod_identity.py), never taken from the request; a group belongs to
+the uid (and, in a cluster, the namespace) that claims it. A bad client -- garbage, wrong
+version, oversize frame, silence, a frame trickled byte by byte, death mid-handshake -- is
+logged and dropped within one request deadline; nobody else notices.
 
 Re-adoption is where a client could otherwise hand the agent bytes of its own, so it takes
 proof. Each lease gets a random token in its manifest reply; the agent records the token's
@@ -60,6 +62,7 @@ from ..spec import CacheSpec
 from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
                      read_private, write_private)
 from .integrity import SCRUB_INTERVAL, Scrubber
+from .pod_identity import IdentityRefused, PodVerifier, group_namespace
 from .prepared_record import RecordedCache, read_record, write_record
 from .sidecar import sidecar_path
 
@@ -101,7 +104,8 @@ class Lease:
     group: str | None
     uid: int = -1
     token_hash: str = ""  # sha256 of the rejoin token handed to this engine
-    pod: dict[str, str] | None = None  # the engine's pod, as it says (labels follow roles by it)
+    pod: dict[str, str] | None = None  # the engine's pod (labels follow roles by it)
+    verified: bool = False  # pod proven by a token the API server vouched for (else the client's word)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     # Set while a promotion is told but not yet acknowledged: the engine is not serving as
@@ -112,11 +116,17 @@ class Lease:
     # told its engine yet (that comes once the successor serves): the engine still serves as
     # primary, and status says so, so no reader ever sees a group without one.
     demoting: threading.Event = field(default_factory=threading.Event)
+    ended: bool = False  # the connection is gone (set once, under the agent's lock)
+
+    @property
+    def serving(self) -> bool:
+        """Still its group's primary: a promotion that has not been undone since."""
+        return not self.ended and self.role == "primary"
 
     def to_json(self) -> dict[str, Any]:
         role = "promoting" if self.promoting.is_set() else "primary" if self.demoting.is_set() else self.role
         return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": role, "group": self.group, "pod": self.pod,
-                "attached_at": self.since}
+                "verified": self.verified, "attached_at": self.since}
 
     def record(self) -> dict[str, Any]:
         """What the state file keeps of this lease: enough to recognise its engine after a restart."""
@@ -135,8 +145,11 @@ class Agent:
                  on_promote: Callable[[Lease], None] | None = None, peer: str | None = None,
                  max_leases_per_uid: int | None = None, max_pending_per_uid: int | None = None,
                  max_connections_per_uid: int | None = None, scrub_interval: float = SCRUB_INTERVAL,
-                 read_ahead: Prefetch | None = None):
+                 read_ahead: Prefetch | None = None, pod_verifier: PodVerifier | None = None):
         self.spec = spec
+        # In a cluster: the API server proves which pod an engine is (serve/pod_identity.py).
+        # Without one, a lease's pod is the client's word, and groups follow uids alone.
+        self.pod_verifier = pod_verifier
         self.peer = peer  # another replica's socket for this rank: copy its arena instead of reading the disk
         self._read_ahead = read_ahead  # the checkpoint read into the page cache since the process started
         self.startup = Phases()  # the load's steps, seconds since the process started
@@ -711,6 +724,8 @@ class Agent:
             # Whether the served arena still holds what was loaded: state verified / tampered /
             # unverified / unavailable / error, the scrub's schedule and cost, arenas found changed.
             "integrity": self._integrity(),
+            # TokenReviews sent to prove engines' pods (null off Kubernetes): repeats are cached.
+            "identity_reviews": self.pod_verifier.reviews if self.pod_verifier is not None else None,
             # Recent latencies, newest last: the node supervisor feeds the ones it has not
             # seen (by the change in `attaches`) into its Prometheus histogram.
             "attach_seconds": self.attach_seconds[-ATTACH_SAMPLES_IN_STATUS:],
@@ -944,6 +959,9 @@ class Agent:
         _check_lease_terms("attach", role, group)
         if not isinstance(request, dict) or not isinstance(request.get("spec"), dict):
             raise ProtocolError(f"attach needs request, an object with a spec; got {type(request).__name__}")
+        identity = self._identify(conn, message, group, peer, uid)
+        if identity is None:
+            return None
         if not self._ready.is_set():
             with self._lock:
                 crowded = self._waiting >= self.max_leases
@@ -991,7 +1009,7 @@ class Agent:
                 "fingerprint_mismatch", "fingerprint differs", fields=cache.fields, engine_fields=fields))
             return None
         token = secrets.token_hex(32)
-        lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity)
         if lease is None:
             return None
         reply = {
@@ -1089,9 +1107,20 @@ class Agent:
         if held >= self.max_leases_per_uid:
             return protocol.error_message("too_many_leases", f"uid {uid} holds its cap of {self.max_leases_per_uid} "
                                                              "leases (and arenas handed out ahead of an attach)")
-        if group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
+        owner = self._group_owner(group) if group is not None and uid != 0 else None
+        if owner is not None and owner != uid:
             return protocol.error_message("group_taken", f"group {group!r} belongs to another user")
         return None
+
+    def _group_owner(self, group: str) -> int | None:
+        """The uid a group belongs to while it has leases: its first non-root claimant's (root may join
+        any group as a guest without taking it over), else root's when only root holds it. Another
+        uid can neither squat a role in it nor take it over. Call with `_lock` held."""
+        members = [lease for lease in self._leases.values() if lease.group == group]
+        if not members:
+            return None
+        users = [lease for lease in members if lease.uid != 0]
+        return min(users, key=lambda lease: lease.since).uid if users else 0
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=True)
@@ -1117,8 +1146,44 @@ class Agent:
             self.cache.checkpoint = open_checkpoint(self.spec.model)
         return self.cache.checkpoint
 
+    def _identify(self, conn: socket.socket, message: dict[str, Any], group: str | None, peer: int | None,
+                  uid: int) -> tuple[dict[str, str] | None, bool] | None:
+        """The lease's pod and whether it is proven, or None after telling the client why not.
+
+        Without a verifier (off Kubernetes) the pod is what the client says. With one, an attach
+        or rejoin that names a pod or a group must present its pod's token: the pod the API
+        server names replaces the client's fields, and a group is claimable only by pods of its
+        namespace (`<namespace>/...`, as EngineSets name them).
+        """
+        claimed = _pod_identity(message.get("pod"))
+        token = message.get("identity_token")
+        if self.pod_verifier is None:
+            return claimed, False
+        if token is None:
+            if claimed is None and group is None:
+                return None, False  # no pod, no group: nothing that moves traffic
+            refusal = ("this agent runs in a cluster: an engine that names a pod or a group must present its pod's "
+                       "weightcache.io token ($WEIGHTCACHE_IDENTITY_TOKEN names the file)")
+        else:
+            try:
+                identity = self.pod_verifier.verify(token)
+            except IdentityRefused as e:
+                refusal = str(e)
+            else:
+                if group is None or group_namespace(group) == identity.namespace:
+                    return identity.pod(), True
+                self._refusals.warn(f"refused pid={peer} uid={uid} (pod {identity.namespace}/{identity.name}): "
+                                    f"group {group[:64]!r} is not of its namespace")
+                protocol.send_message(conn, protocol.error_message(
+                    "group_forbidden", f"pod {identity.namespace}/{identity.name} may only join groups of its "
+                                       f"namespace ({identity.namespace}/...)"))
+                return None
+        self._refusals.warn(f"refused pid={peer} uid={uid}: {refusal}")  # a flood is a line a second
+        protocol.send_message(conn, protocol.error_message("identity_refused", refusal))
+        return None
+
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
-                  token_hash: str, pod: dict[str, str] | None = None) -> Lease | None:
+                  token_hash: str, pod: dict[str, str] | None = None, verified: bool = False) -> Lease | None:
         """A new lease, recorded in the state file, or None (after telling the client why not).
 
         Role "auto" is decided here, under the lock: primary when the group has none, else standby.
@@ -1134,7 +1199,7 @@ class Agent:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
             if refusal is None:
-                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
+                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod, verified=verified)
                 self._leases[lease.id] = lease
                 self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up
                 self._handing(uid, pid)
@@ -1179,6 +1244,9 @@ class Agent:
         try:
             role, group = message.get("role"), message.get("group")
             _check_lease_terms("rejoin", role, group)
+            identity = self._identify(conn, message, group, peer, uid)
+            if identity is None:
+                return None
             self._prepared.wait()
             prepared = self.prepared
             if prepared is None:
@@ -1220,7 +1288,7 @@ class Agent:
                 os.close(fd)
         # A fresh token for the next restart: the one just used is spent.
         token = secrets.token_hex(32)
-        lease = self._register(conn, peer, uid, role, group, _hash_token(token), _pod_identity(message.get("pod")))
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity)
         if lease is None:
             return None
         lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt,
@@ -1262,6 +1330,7 @@ class Agent:
         with self._lock:
             if self._leases.pop(lease.id, None) is None:
                 return
+            lease.ended = True
             if not self._closed.is_set():
                 if not self._leases:
                     self._clear_state()

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
         env={"WEIGHTCACHE_SOCKET_GROUP": "default of --socket-group",
              "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
              "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
-             "NODE_NAME": "default of --node-name (node mode)",
+             "NODE_NAME": "default of --node-name (node mode); a pod token of another node is refused",
              "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label-pods", choices=("auto", "on", "off"), default="auto",
                    help="on a promotion, label the engine's pod weightcache.io/serving=true through the API server "
                         "(auto: when running in a cluster; rank 0 only)")
+    p.add_argument("--pod-identity", choices=("auto", "on", "off"), default="auto",
+                   help="engines that name a pod or a group prove which pod they are with a projected service-account "
+                        "token, checked by a TokenReview (auto: when running in a cluster)")
+    p.add_argument("--identity-audience", default="weightcache.io",
+                   help="the audience engine pods' projected tokens are minted for (default weightcache.io)")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines for people or collectors")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal); without a bar, a log line every "
@@ -230,12 +235,16 @@ def _serve(args: argparse.Namespace, spec: CacheSpec, read_ahead: "Prefetch | No
     except (ValueError, AccessError) as e:  # a bad --backend/--device value, an unknown --socket-group
         return refuse(PROG, str(e), EXIT_USAGE)
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
+    try:
+        verifier = _pod_verifier(args.pod_identity, args.identity_audience)
+    except WeightCacheError as e:
+        return refuse(PROG, str(e), EXIT_USAGE)
     agent = Agent(spec, args.socket, show_progress=show, handshake_timeout=args.handshake_timeout, device=device,
                   adopt_wait=args.adopt_wait, policy=policy, max_leases=args.max_leases, max_pending=args.max_pending,
                   max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,
                   max_connections_per_uid=args.max_connections_per_uid, scrub_interval=args.scrub_interval,
-                  on_promote=(lambda lease: writer.label_promoted(lease.pod)) if writer is not None else None,
-                  peer=args.peer_socket, read_ahead=read_ahead)
+                  on_promote=_promotion_hook(writer),
+                  peer=args.peer_socket, read_ahead=read_ahead, pod_verifier=verifier)
     try:
         agent.bind()
     except AccessError as e:
@@ -280,6 +289,31 @@ def _serving_label_writer(mode: str) -> Any:
         raise SystemExit("weightcache agent: --label-pods on needs the API server: $KUBERNETES_SERVICE_HOST "
                          "(in a pod) or $WEIGHTCACHE_KUBE_API")
     return ServingLabelWriter.from_environment()
+
+
+def _promotion_hook(writer: Any) -> Any:
+    """What the agent calls on a promotion: hand the pod to the coalescing label writer."""
+    if writer is None:
+        return None
+    from .serving_label import PromotionLabels
+
+    labels = PromotionLabels(writer)
+    return lambda lease: labels.promoted(lease.group or "", lease.pod, lambda: lease.serving)
+
+
+def _pod_verifier(mode: str, audience: str) -> Any:
+    """The TokenReview client that proves engines' pods, when asked for (or, with auto, in a cluster)."""
+    if mode == "off":
+        return None
+    from .pod_identity import PodVerifier
+    from .serving_label import in_cluster_api_url
+
+    if not in_cluster_api_url():
+        if mode == "on":
+            raise WeightCacheError("--pod-identity on needs the API server: $KUBERNETES_SERVICE_HOST (in a pod) or "
+                                   "$WEIGHTCACHE_KUBE_API")
+        return None
+    return PodVerifier(audience=audience, node=os.environ.get("NODE_NAME"))
 
 
 def _device(args: argparse.Namespace) -> "Device":

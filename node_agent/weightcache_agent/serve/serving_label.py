@@ -21,6 +21,13 @@ A connection the server closed while idle is noticed before sending and reopened
 call ends within `timeout` seconds; a failure raises `ServingLabelError` with one line
 and logs that line (no traceback): the agent goes on serving, and the operator's
 reconcile labels the pod later.
+
+A promotion storm (an engine that drops and retakes its lease in a loop, promoting its
+peer each time) must not become a storm of API writes: `PromotionLabels` sits between
+the agent's promotion hook and the writer. Per group it keeps only the latest promoted
+pod; a group's first promotion is written at once (failover pays nothing), and later
+ones at most once per `MIN_WRITE_INTERVAL`, each only if that engine is still the
+group's primary when its turn comes: one write per promotion that lasted.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from ..errors import WeightCacheError
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 
 SERVING_LABEL = "weightcache.io/serving"
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+MIN_WRITE_INTERVAL = 0.5  # seconds between two label writes for one group
 
 
 class ServingLabelError(WeightCacheError):
@@ -287,3 +295,49 @@ def _status_message(raw: bytes) -> str:
 def _one_line(e: object) -> str:
     text = str(e) or type(e).__name__
     return " ".join(text.split())
+
+
+class PromotionLabels:
+    """Promotions in, label writes out: the latest per group, at most one per group every
+    `interval` seconds, and none for a promotion that no longer holds when its turn comes.
+
+    `promoted(group, pod, current)` never blocks the agent; `current()` says whether that
+    engine is still its group's primary. One thread does the writes, in order.
+    """
+
+    def __init__(self, writer: ServingLabelWriter, interval: float = MIN_WRITE_INTERVAL) -> None:
+        self.writer, self.interval = writer, interval
+        self._pending: dict[str, tuple[Mapping[str, str] | None, Callable[[], bool]]] = {}
+        self._next: dict[str, float] = {}  # group -> when its next write may go
+        self._cond = threading.Condition()
+        self.written = self.superseded = self.lapsed = 0
+        threading.Thread(target=self._run, name="serving-labels", daemon=True).start()
+
+    def promoted(self, group: str, pod: Mapping[str, str] | None, current: Callable[[], bool]) -> None:
+        with self._cond:
+            if group in self._pending:
+                self.superseded += 1
+            self._pending[group] = (pod, current)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = [g for g in self._pending if self._next.get(g, 0.0) <= now]
+                if not due:
+                    waits = [self._next[g] - now for g in self._pending]
+                    self._cond.wait(min(waits) if waits else None)
+                    continue
+                batch = [(g, self._pending.pop(g)) for g in due]
+            for group, (pod, current) in batch:
+                if not current():
+                    self.lapsed += 1  # promoted and gone again before its write: nothing to route to
+                    continue
+                self.writer.label_promoted(pod)
+                self.written += 1
+                with self._cond:
+                    now = time.monotonic()
+                    self._next[group] = now + self.interval
+                    if len(self._next) > 4096:  # bounded: forget groups whose interval has passed
+                        self._next = {g: t for g, t in self._next.items() if t > now}

@@ -96,6 +96,8 @@ class NodeConfig:
     socket_group: str | None = None
     max_leases: int = 256
     label_pods: str = "auto"
+    pod_identity: str = "auto"
+    identity_audience: str = "weightcache.io"
     peer_copy: bool = True  # replicas after the first fill from it instead of reading the disk
 
     def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None) -> list[str]:
@@ -104,7 +106,8 @@ class NodeConfig:
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
                 "--backend", self.backend, "--quantization", self.quantization, "--dtype", self.dtype,
                 "--handshake-timeout", str(self.handshake_timeout), "--max-leases", str(self.max_leases),
-                "--log-format", self.log_format, "--progress", "never", "--label-pods", self.label_pods]
+                "--log-format", self.log_format, "--progress", "never", "--label-pods", self.label_pods,
+                "--pod-identity", self.pod_identity, "--identity-audience", self.identity_audience]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
         if self.revision:
@@ -598,7 +601,8 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel, layout=args.layout,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
-                        socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods)
+                        socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods,
+                        pod_identity=args.pod_identity, identity_audience=args.identity_audience)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
