@@ -33,8 +33,8 @@ PROMPTS = [[1, 5, 9, 33, 100], [7, 7, 7]]
 ATTACHED = re.compile(r"weightcache: (\S+) rank (\d+)/(\d+) attached from \S+ in [\d.]+s: ([\d.]+ \w+|\d+ B) in arena "
                       r"views, ([\d.]+ \w+|\d+ B) copied")
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON and not os.environ.get("CI"),
-                                reason="no vLLM environment ($WEIGHTCACHE_VLLM_PYTHON; tests/vllm_venv.sh makes one)")
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.skipif(not VLLM_PYTHON and not os.environ.get("CI"),
+                                                            reason="no vLLM environment ($WEIGHTCACHE_VLLM_PYTHON; tests/vllm_venv.sh makes one)")]
 
 
 def vllm_env(**extra: str) -> dict[str, str]:
@@ -53,6 +53,12 @@ def drive(runs: list[dict], **env: str) -> tuple[list[dict], str]:
     assert proc.returncode == 0 and len(results) == len(runs), f"vLLM driver failed ({proc.returncode}):\n" \
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return results, proc.stdout + proc.stderr  # vLLM logs to stdout
+
+
+def _causes(log: str) -> str:
+    """vLLM's root cause sits above its last traceback: the error lines, then the tail."""
+    errors = [line for line in log.splitlines() if "Error" in line or "ERROR" in line]
+    return "\n".join(errors[-20:]) + "\n...\n" + log[-3000:]
 
 
 def attached_lines(log: str) -> list[tuple[str, int, int, str, str]]:
@@ -171,14 +177,14 @@ def test_the_openai_server_answers_completions_from_the_cache(models, agents, in
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 600
         while True:
-            assert server.poll() is None, f"vLLM's server exited: {log_path.read_text()[-6000:]}"
+            assert server.poll() is None, f"vLLM's server exited: {_causes(log_path.read_text())}"
             try:
                 with urllib.request.urlopen(base + "/health", timeout=5) as r:
                     if r.status == 200:
                         break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, f"vLLM's server not up: {log_path.read_text()[-6000:]}"
+            assert time.monotonic() < deadline, f"vLLM's server not up: {_causes(log_path.read_text())}"
             time.sleep(1)
         body = json.dumps({"model": models["llama"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
         request = urllib.request.Request(base + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
