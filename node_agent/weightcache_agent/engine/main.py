@@ -80,6 +80,9 @@ def main(argv: list[str]) -> int:
     if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
                                    or os.environ.get("WEIGHTCACHE_SOCKET_DIR")):
         parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")
+    if args.role == "standby" and not args.group:
+        return refuse("weightcache engine", "--role standby needs --group (or $WEIGHTCACHE_GROUP): a standby takes "
+                      "over only from the primary of its group; start that primary with the same --group", EXIT_USAGE)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
     problem = preflight(args)

@@ -801,7 +801,10 @@ class Agent:
                 lease.role == "primary" and lease.group == group for lease in self._leases.values())
             if role == "auto":
                 role = "standby" if has_primary else "primary"
-            if len(self._leases) >= self.max_leases:
+            if role == "standby" and group is None:  # no primary's departure could ever promote it
+                refusal = protocol.error_message("standby_without_group", "a standby needs a group: name the group "
+                                                 "whose primary it takes over from")
+            elif len(self._leases) >= self.max_leases:
                 refusal = protocol.error_message("too_many_leases", f"this agent holds its cap of {self.max_leases} "
                                                                     "leases; try again later")
             elif group is not None and any(lease.group == group and lease.uid != uid for lease in self._leases.values()):
@@ -810,6 +813,9 @@ class Agent:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
             else:
+                if role == "standby" and not has_primary:  # engines start in any order: said, not refused
+                    log.warning("standby pid=%s joined group %r, which has no primary on this agent yet: it is "
+                                "promoted only when a primary of that group attaches and then goes", pid, group)
                 lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod)
                 self._leases[lease.id] = lease
                 try:

@@ -1,0 +1,158 @@
+"""What a new user meets on the first day, run as they would run it: the README's commands
+copied literally, and each mistake answered in one line with the documented exit code,
+leaving nothing lost (the agent keeps serving, the files stay). Every case runs the
+command as a real process."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agent_fixtures import AgentProcess
+from engine_fixtures import SMALL_LLAMA, short_run_dir
+from test_cli_mistakes import one_line, weightcache
+from weightcache_agent import CacheSpec, agent_status, protocol
+from weightcache_agent.load.fingerprint import engine_request
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_agent.usage import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    # The README's example prompt uses token 4996: a vocabulary that holds it.
+    shape = LlamaShape(**{**SMALL_LLAMA, "vocab_size": 8192})
+    return write_llama_checkpoint(str(tmp_path_factory.mktemp("ckpt") / "llama-3-8b"), shape, seed=3)
+
+
+@pytest.fixture
+def run_dir():
+    path = short_run_dir()
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def bash_blocks(section: str) -> list[str]:
+    """The ```bash blocks of the README section whose heading starts with `section`."""
+    body = README.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)```", body, re.DOTALL)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stop_session(leader: int, timeout: float = 30) -> None:
+    """SIGTERM every process of the session `leader` started, and wait until none is left."""
+    deadline = time.monotonic() + timeout
+    try:
+        os.killpg(leader, signal.SIGTERM)
+        while time.monotonic() < deadline:
+            os.killpg(leader, 0)
+            time.sleep(0.05)
+        os.killpg(leader, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# -- the README's failover quick start ---------------------------------------------------------
+
+def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_dir):
+    """The agent line of the quick start, then the reference engine's block as one script, with
+    only the model directory, the socket and the ports replaced by this machine's."""
+    sock = os.path.join(run_dir, "llama.sock")
+    primary_port, standby_port = free_port(), free_port()
+
+    def localize(text: str) -> str:
+        text = text.replace("/models/llama-3-8b", model).replace("/run/weightcache/llama.sock", sock)
+        return text.replace("8000", str(primary_port)).replace("8001", str(standby_port))
+
+    agent_line = next(line for line in bash_blocks("Quick start")[0].splitlines() if line.startswith("weightcache agent"))
+    engines = next(block for block in bash_blocks("The reference engine") if "--role standby" in block)
+    assert "kill -9 $PRIMARY" in engines and "--group chat & PRIMARY=$!" in engines
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    script = (f"{localize(agent_line)}\nuntil weightcache status --socket {shlex.quote(sock)} >/dev/null 2>&1; "
+              f"do sleep 0.2; done\n{localize(engines)}")
+    with open(os.path.join(run_dir, "out"), "w+") as out_file, open(os.path.join(run_dir, "err"), "w+") as err_file:
+        # files, not pipes: what the block leaves running in the background keeps its output open
+        shell = subprocess.Popen(["bash", "-c", script], stdout=out_file, stderr=err_file, text=True, env=env,
+                                 start_new_session=True)
+        try:
+            shell.wait(timeout=180)
+        finally:
+            stop_session(shell.pid)  # the agent and the standby the block left running
+        out, err = pathlib.Path(out_file.name).read_text(), pathlib.Path(err_file.name).read_text()
+    assert shell.returncode == 0, (out, err[-3000:])
+    answers, decoder, at = [], json.JSONDecoder(), out.find("{")
+    while at >= 0:  # curl prints each answer as the engine sent it, without a newline between
+        answer, end = decoder.raw_decode(out, at)
+        answers.append(answer)
+        at = out.find("{", end)
+    generated = [a for a in answers if "tokens" in a]
+    assert len(generated) == 2, (out, err[-3000:])
+    before, after = generated
+    assert before["role"] == "primary" and after["role"] == "primary", answers
+    assert after["tokens"] == before["tokens"] and len(after["tokens"]) == 8  # the standby, promoted, same weights
+    assert "promoted" in err.lower(), err[-3000:]
+
+
+# -- a standby with no group, or a group with no primary ---------------------------------------
+
+def test_a_standby_without_a_group_is_refused_in_one_line(model, run_dir):
+    env = {k: v for k, v in os.environ.items() if k != "WEIGHTCACHE_GROUP"}
+    out = subprocess.run([sys.executable, "-m", "weightcache_agent", "engine", "--model", model, "--socket",
+                          os.path.join(run_dir, "a.sock"), "--role", "standby"], capture_output=True, text=True,
+                         timeout=60, env=env)
+    one_line(out, EXIT_USAGE, "weightcache engine", "--role standby needs --group", "same --group")
+
+
+def test_the_agent_refuses_a_standby_without_a_group_and_keeps_serving(model, run_dir):
+    """A client that is not the reference engine gets the same refusal from the agent itself."""
+    with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
+        conn = protocol.connect(served.socket)
+        try:
+            protocol.send_message(conn, {"type": "attach", "role": "standby", "group": None,
+                                         "request": engine_request(CacheSpec(model=model))})
+            reply, _ = protocol.recv_message(conn, 1 << 20)
+        finally:
+            conn.close()
+        assert reply["type"] == "error" and reply["code"] == "standby_without_group", reply
+        assert "needs a group" in reply["message"]
+        status = served.status()
+        assert status["phase"] == "ready" and status["clients"] == []
+
+
+def test_a_standby_whose_group_has_no_primary_yet_is_warned_about_and_promoted_later(model, run_dir):
+    with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
+        standby = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "engine", "--model", model, "--socket",
+                                    served.socket, "--role", "standby", "--group", "chat", "--port", "0"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not any(c["role"] == "standby" for c in agent_status(served.socket)["clients"]):
+                assert standby.poll() is None and time.monotonic() < deadline, standby.stderr.read()
+                time.sleep(0.05)
+            time.sleep(1)  # the warning follows the attach
+            standby.send_signal(signal.SIGTERM)
+            assert standby.wait(30) == EXIT_OK
+            warnings = [line for line in standby.stderr.read().splitlines() if "has no primary" in line]
+            assert len(warnings) == 1 and "--group chat" in warnings[0], warnings
+        finally:
+            if standby.poll() is None:
+                standby.kill()
+        agent_log = served.stop() == EXIT_OK and served.proc.stderr.read()
+        assert "joined group 'chat', which has no primary" in agent_log
