@@ -156,3 +156,37 @@ def test_a_standby_whose_group_has_no_primary_yet_is_warned_about_and_promoted_l
                 standby.kill()
         agent_log = served.stop() == EXIT_OK and served.proc.stderr.read()
         assert "joined group 'chat', which has no primary" in agent_log
+
+
+# -- without torch --------------------------------------------------------------------------
+
+def without_torch(*args: str) -> subprocess.CompletedProcess:
+    """`weightcache ARGS` in a Python where torch is not installed: `sys.modules["torch"] = None` is
+    what the import system documents for a module that must not be found (find_spec says None, an
+    import raises ModuleNotFoundError), the same answers a Python without torch gives."""
+    block = ("import sys\nsys.modules['torch'] = None\nfrom weightcache_agent.cli import main\n"
+             f"sys.exit(main({list(args)!r}))")
+    return subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("command", ["engine", "demo"])
+def test_the_engine_and_the_demo_without_torch_name_what_to_install(command, model, tmp_path):
+    args = ["--model", model, "--mode", "off"] if command == "engine" else ["--dir", str(tmp_path / "demo")]
+    out = without_torch(command, *args)
+    one_line(out, EXIT_FAILED, f"weightcache {command}", "needs torch, which is not installed",
+             "pip install torch --index-url https://download.pytorch.org/whl/cpu")
+    assert list(tmp_path.iterdir()) == []  # nothing written before the refusal
+
+
+def test_an_agent_load_that_needs_torch_without_it_names_what_to_install(model, run_dir):
+    """A load that keeps the checkpoint's dtype serves without torch; one that casts needs it."""
+    sock = os.path.join(run_dir, "a.sock")
+    out = without_torch("agent", "--model", model, "--socket", sock, "--progress", "never", "--dtype", "float16")
+    assert out.returncode == EXIT_FAILED, out.stderr
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("weightcache agent: load failed: this load casts or quantizes, which needs torch"), last
+    assert "pip install torch --index-url" in last
+    assert not os.path.exists(sock)
+    with AgentProcess(model, sock):  # the same socket serves as soon as torch is there
+        pass

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import WeightCacheError
-from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
+from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse, torch_problem
 
 log = logging.getLogger("weightcache.demo")
 
@@ -436,6 +436,9 @@ def writable_dir_problem(flag: str, path: str) -> str | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = torch_problem("the demo (its engines and its checkpoint writer)")
+    if problem:  # before any directory is made
+        return refuse("weightcache demo", problem, EXIT_FAILED)
     for flag, path in (("--dir", args.dir or default_cache_dir()), ("--run-dir", args.run_dir)):
         problem = path and writable_dir_problem(flag, path)
         if problem:

@@ -19,7 +19,7 @@ from ..errors import WeightCacheError
 from ..logs import configure
 from ..serve.agent_main import add_quantization_flag, model_problem, preflight
 from ..spec import DTYPE_CHOICES
-from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser, refuse
+from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser, refuse, torch_problem
 
 log = logging.getLogger("weightcache.engine")
 
@@ -88,7 +88,7 @@ def main(argv: list[str]) -> int:
     problem = preflight(args)
     if problem:
         return refuse("weightcache engine", problem, EXIT_USAGE)
-    problem = model_problem(args.model)
+    problem = model_problem(args.model) or torch_problem("the engine")
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
 

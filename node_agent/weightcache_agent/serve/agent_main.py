@@ -23,7 +23,8 @@ from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
 from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, CacheSpec
-from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
+from ..usage import (EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TORCH_INSTALL, parser as usage_parser,
+                     refuse)
 
 if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
     from ..arena.devices import Device
@@ -217,6 +218,9 @@ def main(argv: list[str]) -> int:
     agent.close()
     if failure:
         e = failure[0]
+        if isinstance(e, ModuleNotFoundError) and e.name == "torch":  # a load that casts or quantizes on the CPU
+            return refuse(PROG, f"load failed: this load casts or quantizes, which needs torch, not installed here: "
+                                f"{TORCH_INSTALL}", EXIT_FAILED)
         return refuse(PROG, str(e) if isinstance(e, WeightCacheError) else
                       f"load failed: {type(e).__name__}: {e}", EXIT_FAILED)
     if stop.signal == signal.SIGINT:
