@@ -190,3 +190,25 @@ def test_an_agent_load_that_needs_torch_without_it_names_what_to_install(model, 
     assert not os.path.exists(sock)
     with AgentProcess(model, sock):  # the same socket serves as soon as torch is there
         pass
+
+
+# -- `weightcache status | head` ---------------------------------------------------------------
+
+@pytest.mark.parametrize("form", [[], ["--json"]], ids=["text", "json"])
+def test_status_into_a_reader_that_stopped_reading_ends_quietly(form, model, run_dir):
+    """What `weightcache status | head -1` does once head has its line: the pipe's reader is gone
+    before status writes (made certain here by closing the read end first)."""
+    with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            out = subprocess.run([sys.executable, "-m", "weightcache_agent", "status", "--socket", served.socket, *form],
+                                 stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(write_end)
+        assert out.returncode == EXIT_OK and out.stderr == "", out.stderr
+        assert served.status()["phase"] == "ready"  # the agent never noticed
+        piped = subprocess.run(f"{shlex.quote(sys.executable)} -m weightcache_agent status --socket "
+                               f"{shlex.quote(served.socket)} {' '.join(form)} | head -1", shell=True,
+                               capture_output=True, text=True, timeout=60)
+        assert piped.stderr == "" and len(piped.stdout.splitlines()) == 1, piped

@@ -34,11 +34,17 @@ def main(argv: list[str]) -> int:
         return refuse("weightcache status", f"{e} (is the agent running? start one with weightcache agent)",
                       EXIT_FAILED)
     status.pop("type", None)
-    if args.json:
-        json.dump(status, sys.stdout, indent=2)
-        print()
-        return 0
-    print(render(status))
+    try:
+        if args.json:
+            json.dump(status, sys.stdout, indent=2)
+            print()
+        else:
+            print(render(status))
+        sys.stdout.flush()  # a reader that stopped early (`| head`) is met here, not at exit
+    except BrokenPipeError:
+        # The reader has what it wanted: no traceback, and stdout pointed at /dev/null so that
+        # the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
