@@ -212,3 +212,39 @@ def test_status_into_a_reader_that_stopped_reading_ends_quietly(form, model, run
                                f"{shlex.quote(served.socket)} {' '.join(form)} | head -1", shell=True,
                                capture_output=True, text=True, timeout=60)
         assert piped.stderr == "" and len(piped.stdout.splitlines()) == 1, piped
+
+
+# -- a device that does not exist ------------------------------------------------------------
+
+def gpus_here() -> bool:
+    from weightcache_agent.arena.devices import cuda_available
+
+    return cuda_available()
+
+
+@pytest.mark.parametrize("device", ["7", "GPU-nonexistent", "cuda:0"])
+def test_a_gpu_named_on_a_machine_without_one_is_refused(device, model, run_dir):
+    if gpus_here():
+        pytest.skip("this machine has a GPU: see the test below")
+    sock = os.path.join(run_dir, "a.sock")
+    out = weightcache("agent", "--model", model, "--socket", sock, "--progress", "never", "--device", device)
+    one_line(out, EXIT_USAGE, "weightcache agent", f"--device {device} names a GPU", "shows no GPU",
+             "the cpu backend is what is available", "leave --device out")
+    out = weightcache("agent", "--model", model, "--socket", sock, "--backend", "cpu", "--device", device)
+    one_line(out, EXIT_USAGE, "weightcache agent", "--backend cpu uses none")
+    assert os.listdir(run_dir) == []  # no socket, no lock: refused before either
+
+
+@pytest.mark.parametrize("device", ["7", "GPU-nonexistent"])
+def test_a_gpu_that_does_not_exist_is_refused_naming_the_ones_that_do(device, model, run_dir):
+    if not gpus_here():
+        pytest.skip("needs a GPU (and cuda-bindings)")
+    from weightcache_agent.arena.devices import cuda_devices
+
+    if device == "7" and len(cuda_devices()) > 7:
+        pytest.skip("this machine has a GPU 7")
+    sock = os.path.join(run_dir, "a.sock")
+    out = weightcache("agent", "--model", model, "--socket", sock, "--progress", "never", "--device", device)
+    line = one_line(out, EXIT_USAGE, "weightcache agent", f"device {device!r} is neither", "the GPUs here:")
+    assert cuda_devices()[0].uuid in line
+    assert not os.path.exists(sock)

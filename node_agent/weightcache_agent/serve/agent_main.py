@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "$WEIGHTCACHE_CONTROL_TOKEN_FILE; without one, switchover is only on the sockets)")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
-    p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")
+    p.add_argument("--device", default=None, help="GPU ordinal (0, or cuda:0) or UUID (cuda backend; default: 0)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype of the served weights (auto: the checkpoint's)")
     add_quantization_flag(p)
@@ -247,5 +247,13 @@ def _device(args: argparse.Namespace) -> "Device":
 
     backend = resolve_backend(args.backend)
     if backend == "cpu":
+        if args.device is not None:  # a GPU named where none is used: refused, never served from memory instead
+            where = ("--backend cpu uses none" if args.backend == "cpu" else
+                     "this machine shows no GPU (the cuda backend needs a visible GPU and cuda-bindings), so the "
+                     "cpu backend is what is available")
+            raise ValueError(f"--device {args.device} names a GPU, but {where}: leave --device out")
         return Device("cpu", f"cpu-{args.tp_rank}", args.tp_rank)
-    return select_devices("cuda", args.device)[0]
+    device = args.device or "0"
+    if device.startswith("cuda:"):  # torch's spelling of an ordinal
+        device = device[len("cuda:"):]
+    return select_devices("cuda", device)[0]
