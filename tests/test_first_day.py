@@ -248,3 +248,33 @@ def test_a_gpu_that_does_not_exist_is_refused_naming_the_ones_that_do(device, mo
     line = one_line(out, EXIT_USAGE, "weightcache agent", f"device {device!r} is neither", "the GPUs here:")
     assert cuda_devices()[0].uuid in line
     assert not os.path.exists(sock)
+
+
+# -- status of a socket directory ------------------------------------------------------------
+
+def test_status_of_a_node_agents_socket_directory_lists_every_socket_in_it(model, tmp_path, run_dir):
+    socket_dir = os.path.join(run_dir, "node")
+    node = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir",
+                             socket_dir, "--backend", "cpu", "--tp-size", "1", "--replicas", "2", "--http-port", "0",
+                             "--http-host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            out = weightcache("status", "--socket", socket_dir, "--json")
+            if out.returncode == EXIT_OK and [s["phase"] for s in json.loads(out.stdout)] == ["ready", "ready"]:
+                break
+            assert node.poll() is None and time.monotonic() < deadline, (out.stderr, node.stderr)
+            time.sleep(0.2)
+        assert sorted(os.path.basename(s["socket"]) for s in json.loads(out.stdout)) == ["cpu-0.sock", "cpu-1.sock"]
+        text = weightcache("status", "--socket", socket_dir)
+        assert text.returncode == EXIT_OK, text.stderr
+        assert len(re.findall(r"^PHASE\s+ready$", text.stdout, re.MULTILINE)) == 2, text.stdout
+    finally:
+        node.send_signal(signal.SIGTERM)
+        assert node.wait(30) == EXIT_OK
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("mine")
+    one_line(weightcache("status", "--socket", str(empty)), EXIT_USAGE, "weightcache status",
+             "is a directory with no agent socket in it", "pass one socket with --socket")
+    assert (empty / "notes.txt").read_text() == "mine"

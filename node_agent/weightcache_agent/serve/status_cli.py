@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 import sys
 
 from ..protocol import agent_status
@@ -20,32 +21,62 @@ ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 def main(argv: list[str]) -> int:
     p = usage_parser("weightcache status", "Show an agent's cache and its clients.",
                      examples=["weightcache status --socket /run/weightcache/llama.sock",
+                               "weightcache status --socket /run/weightcache/default.llama.1a2b3c  # each GPU's",
                                "WEIGHTCACHE_SOCKET=/run/weightcache/llama.sock weightcache status --json"],
                      env={ENV_SOCKET: "the agent's socket, when --socket is not given"})
     p.add_argument("--socket", default=os.environ.get(ENV_SOCKET) or None,
-                   help=f"the agent's Unix socket (default: ${ENV_SOCKET})")
+                   help=f"the agent's Unix socket, or a node agent's socket directory: every socket in it "
+                        f"(default: ${ENV_SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     args = p.parse_args(argv)
     if not args.socket:
         return refuse("weightcache status", f"which agent? pass --socket PATH or set ${ENV_SOCKET}", EXIT_USAGE)
+    directory = os.path.isdir(args.socket)
+    if directory:  # a node agent's --socket-dir: one socket per GPU
+        sockets = sockets_in(args.socket)
+        if not sockets:
+            return refuse("weightcache status", f"{args.socket} is a directory with no agent socket in it: pass "
+                                                "one socket with --socket (a node agent's are <dir>/<GPU-UUID>.sock)",
+                          EXIT_USAGE)
+    else:
+        sockets = [args.socket]
+    statuses, failures = [], []
+    for path in sockets:
+        try:
+            status = agent_status(path)
+        except WeightCacheError as e:
+            failures.append(f"{e} (is the agent running? start one with weightcache agent)")
+            continue
+        status.pop("type", None)
+        statuses.append(status)
+    for failure in failures:
+        refuse("weightcache status", failure)
+    if not statuses:
+        return EXIT_FAILED
     try:
-        status = agent_status(args.socket)
-    except WeightCacheError as e:
-        return refuse("weightcache status", f"{e} (is the agent running? start one with weightcache agent)",
-                      EXIT_FAILED)
-    status.pop("type", None)
-    try:
-        if args.json:
-            json.dump(status, sys.stdout, indent=2)
+        if args.json:  # one socket: its document; a directory: a list of them
+            json.dump(statuses if directory else statuses[0], sys.stdout, indent=2)
             print()
         else:
-            print(render(status))
+            print("\n\n".join(render(status) for status in statuses))
         sys.stdout.flush()  # a reader that stopped early (`| head`) is met here, not at exit
     except BrokenPipeError:
         # The reader has what it wanted: no traceback, and stdout pointed at /dev/null so that
         # the interpreter's own flush at exit does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    return 0
+    return EXIT_FAILED if failures else 0
+
+
+def sockets_in(directory: str) -> list[str]:
+    """The Unix sockets directly in `directory`, by name (a node agent's, one per GPU)."""
+    found = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            if entry.name.endswith(".sock") and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                found.append(entry.path)
+        except OSError:
+            continue
+    return found
 
 
 def render(status: dict) -> str:
