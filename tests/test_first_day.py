@@ -278,3 +278,21 @@ def test_status_of_a_node_agents_socket_directory_lists_every_socket_in_it(model
     one_line(weightcache("status", "--socket", str(empty)), EXIT_USAGE, "weightcache status",
              "is a directory with no agent socket in it", "pass one socket with --socket")
     assert (empty / "notes.txt").read_text() == "mine"
+
+
+# -- a checkpoint without config.json ----------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["--socket", "--socket-dir"])
+def test_a_checkpoint_without_config_json_is_refused_at_the_agent(mode, model, tmp_path, run_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in os.listdir(model):
+        if name != "config.json":
+            os.link(os.path.join(model, name), bare / name)
+    where = os.path.join(run_dir, "a.sock" if mode == "--socket" else "node")
+    out = weightcache("agent", "--model", str(bare), mode, where, "--progress", "never", "--backend", "cpu")
+    one_line(out, EXIT_FAILED, "weightcache agent", f"no config.json in {bare}", "copy it from where the weights came")
+    assert os.listdir(run_dir) == []  # nothing bound, nothing made
+    assert sorted(os.listdir(bare)) == sorted(n for n in os.listdir(model) if n != "config.json")
+    out = weightcache("engine", "--model", str(bare), "--mode", "off")
+    one_line(out, EXIT_FAILED, "weightcache engine", f"no config.json in {bare}")

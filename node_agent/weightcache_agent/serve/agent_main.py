@@ -139,6 +139,10 @@ def model_problem(path: str) -> str | None:
         return f"model directory not found: {path}: pass the checkpoint directory (*.safetensors + config.json) with --model"
     if not os.path.isdir(path):
         return f"--model {path} is a file, not a directory: pass the directory that holds it"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return (f"no config.json in {path}: a checkpoint needs the model's config.json beside its *.safetensors "
+                "(engines build the model from it, the agent checks shapes and shards by it); copy it from where the "
+                "weights came from")
     return None
 
 
@@ -157,13 +161,13 @@ def main(argv: list[str]) -> int:
     problem = preflight(args)
     if problem:
         return refuse(PROG, problem, EXIT_USAGE)
+    problem = model_problem(args.model)
+    if problem:  # a node agent's workers would each refuse it alike
+        return refuse(PROG, problem, EXIT_FAILED)
     if args.socket_dir is not None:
         from .supervisor import run_node
 
         return run_node(args, parser)
-    problem = model_problem(args.model)
-    if problem:
-        return refuse(PROG, problem, EXIT_FAILED)
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
