@@ -296,3 +296,35 @@ def test_a_checkpoint_without_config_json_is_refused_at_the_agent(mode, model, t
     assert sorted(os.listdir(bare)) == sorted(n for n in os.listdir(model) if n != "config.json")
     out = weightcache("engine", "--model", str(bare), "--mode", "off")
     one_line(out, EXIT_FAILED, "weightcache engine", f"no config.json in {bare}")
+
+
+# -- a plain attach() of a Hugging Face model ------------------------------------------------
+
+def test_a_plain_attach_of_a_transformers_model_names_the_fix_for_its_computed_buffers(run_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(str(tmp_path / "hf"))
+    script = f"""
+import sys, torch, transformers
+from weightcache_agent import CacheSpec, attach
+from weightcache_agent.errors import AttachError
+config = transformers.AutoConfig.from_pretrained({str(tmp_path / 'hf')!r})
+with torch.device("meta"):
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+try:
+    attach(model, CacheSpec(model={str(tmp_path / 'hf')!r}), socket=sys.argv[1])
+except AttachError as e:
+    print(e, file=sys.stderr)
+    sys.exit(1)
+"""
+    with AgentProcess(str(tmp_path / "hf"), os.path.join(run_dir, "a.sock")) as served:
+        out = subprocess.run([sys.executable, "-c", script, served.socket], capture_output=True, text=True,
+                             timeout=300)
+        assert served.status()["clients"] == []  # the refused attach holds no lease
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    line = out.stderr.strip().splitlines()[-1]
+    assert "model.rotary_emb.inv_freq: still on the meta device (a non-persistent buffer)" in line, line
+    assert "materialize=" in line and "integrations.transformers.from_cache" in line, line
