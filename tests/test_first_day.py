@@ -328,3 +328,32 @@ except AttachError as e:
     line = out.stderr.strip().splitlines()[-1]
     assert "model.rotary_emb.inv_freq: still on the meta device (a non-persistent buffer)" in line, line
     assert "materialize=" in line and "integrations.transformers.from_cache" in line, line
+
+
+# -- the engine's --help example -------------------------------------------------------------
+
+def test_the_engines_help_example_works_as_written_and_text_is_refused_naming_token_ids(model, run_dir):
+    helptext = weightcache("engine", "--help").stdout
+    example = next(line.strip() for line in helptext.splitlines() if line.strip().startswith("curl "))
+    assert "no tokenizer" in example and "token ids" in helptext
+    port = free_port()
+    with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
+        engine = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "engine", "--model", model, "--socket",
+                                   served.socket, "--port", str(port)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            ready = subprocess.run(["curl", "-s", "--retry", "60", "--retry-connrefused", "--retry-delay", "1",
+                                    f"localhost:{port}/readyz"], capture_output=True, text=True, timeout=120)
+            assert json.loads(ready.stdout)["ready"], ready
+            answer = subprocess.run(["bash", "-c", example.replace("8000", str(port))], capture_output=True,
+                                    text=True, timeout=60)
+            assert len(json.loads(answer.stdout)["tokens"]) == 16, answer
+            text = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", f"localhost:{port}/generate", "-d",
+                                   '{"prompt": "Hello", "max_tokens": 16}'], capture_output=True, text=True, timeout=60)
+            body, code = text.stdout.rsplit("\n", 1)
+            assert code == "400" and "no tokenizer: send token ids" in json.loads(body)["error"], text.stdout
+            assert json.loads(subprocess.run(["bash", "-c", example.replace("8000", str(port))], capture_output=True,
+                                             text=True, timeout=60).stdout)["tokens"]  # still serving
+        finally:
+            engine.terminate()
+            engine.wait(30)

@@ -27,9 +27,11 @@ log = logging.getLogger("weightcache.engine")
 def build_parser() -> argparse.ArgumentParser:
     p = usage_parser(
         "weightcache engine", "Reference engine that attaches its weights from a weightcache agent: its own "
-        "Llama/Qwen2/Mistral decoder, any other causal LM through transformers.",
+        "Llama/Qwen2/Mistral decoder, any other causal LM through transformers. POST /generate takes and returns "
+        "token ids (it has no tokenizer).",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
-                  "curl -s localhost:8000/generate -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"],
+                  "curl -s localhost:8000/generate -d '{\"tokens\": [1, 450, 4996], \"max_tokens\": 16}'  "
+                  "# token ids in and out: the reference engine has no tokenizer"],
         env={"WEIGHTCACHE_MODEL": "the checkpoint directory, when --model is not given (set in EngineSet pods)",
              "WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",

@@ -342,7 +342,9 @@ class Engine:
             raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
         unknown = sorted(set(request) - {"tokens", "max_tokens"})
         if unknown:
-            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'")
+            text = " (this engine has no tokenizer: send token ids)" if {"prompt", "text", "messages"} & set(unknown) else ""
+            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'"
+                             f"{text}")
         assert self.model is not None
         tokens, vocab = request.get("tokens"), self.model.config.vocab_size
         if not isinstance(tokens, list):
