@@ -11,6 +11,7 @@ import os
 import stat
 import sys
 
+from ..load.progress import size_text
 from ..protocol import agent_status
 from ..errors import WeightCacheError
 from ..usage import EXIT_FAILED, EXIT_USAGE, parser as usage_parser, refuse
@@ -93,10 +94,10 @@ def render(status: dict) -> str:
     if status["phase"] == "loading" and progress["bytes_total"]:
         # read from disk (source tensors) is counted apart from what ends resident
         eta = progress.get("eta_seconds")
-        rows.append(("progress", f"{progress['fraction']:.0%}  read {_size(progress['bytes_done'])}/"
-                                 f"{_size(progress['bytes_total'])}, {progress['tensors_done']}/"
+        rows.append(("progress", f"{progress['fraction']:.0%}  read {size_text(progress['bytes_done'])}/"
+                                 f"{size_text(progress['bytes_total'])}, {progress['tensors_done']}/"
                                  f"{progress['tensors_total']} source tensors"
-                                 + (f"  {_size(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else "")))
+                                 + (f"  {size_text(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else "")))
     if status.get("load_seconds") is not None:
         rows.append(("load time", f"{status['load_seconds']:.2f}s"))
     rows.append(("clients", str(len(status["clients"]))))
@@ -117,15 +118,7 @@ def _resident(status: dict) -> str:
     if status["phase"] in ("starting", "preparing", "adopting", "loading"):
         if not progress.get("tensors_resident"):  # the plan is not known yet
             return "-"
-        text = f"{_size(progress['bytes_resident'])} in {progress['tensors_resident']} tensors, once loaded"
+        text = f"{size_text(progress['bytes_resident'])} in {progress['tensors_resident']} tensors, once loaded"
     else:
-        text = f"{_size(status['bytes'])} in {status['tensors']} tensors"
+        text = f"{size_text(status['bytes'])} in {status['tensors']} tensors"
     return text if quant == "none" else f"{text} ({quant})"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
