@@ -357,3 +357,15 @@ def test_the_engines_help_example_works_as_written_and_text_is_refused_naming_to
         finally:
             engine.terminate()
             engine.wait(30)
+
+
+# -- what `agent --help` names -----------------------------------------------------------------
+
+def test_agent_help_names_every_environment_variable_a_load_reads():
+    source = ROOT / "node_agent" / "weightcache_agent"
+    read = {name for folder in ("load", "arena") for path in (source / folder).glob("*.py")
+            for name in re.findall(r'"(WEIGHTCACHE_[A-Z_]+)"', path.read_text())}
+    assert {"WEIGHTCACHE_READERS", "WEIGHTCACHE_MEMORY_LIMIT"} <= read
+    helptext = weightcache("agent", "--help").stdout
+    environment = helptext.split("\nenvironment:\n", 1)[1].split("\n\n", 1)[0]
+    assert sorted(name for name in read if f"  {name} " not in environment) == [], environment

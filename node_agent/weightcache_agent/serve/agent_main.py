@@ -45,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
              "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
              "NODE_NAME": "default of --node-name (node mode)",
-             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)"},
+             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)",
+             "WEIGHTCACHE_READERS": "reader threads of a cold load (default 2: more only interleave the disk's stream)",
+             "WEIGHTCACHE_MEMORY_LIMIT": "most host memory a cpu arena may take, e.g. 64Gi (default: what the host "
+                                         "and its cgroup have available)",
+             "WEIGHTCACHE_PROGRESS_INTERVAL": "seconds between progress log lines without a terminal (default 5; 0: "
+                                              "none)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     where = p.add_mutually_exclusive_group(required=True)
