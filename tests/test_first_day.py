@@ -369,3 +369,18 @@ def test_agent_help_names_every_environment_variable_a_load_reads():
     helptext = weightcache("agent", "--help").stdout
     environment = helptext.split("\nenvironment:\n", 1)[1].split("\n\n", 1)[0]
     assert sorted(name for name in read if f"  {name} " not in environment) == [], environment
+
+
+# -- what an agent leaves behind ---------------------------------------------------------------
+
+def test_the_files_a_cleanly_stopped_agent_leaves_are_the_ones_install_md_names(model, run_dir):
+    with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
+        pass
+    assert served.proc.returncode == EXIT_OK
+    left = sorted(os.listdir(run_dir))
+    assert left == [".a.sock.lock", ".a.sock.prepared"], left
+    install = (ROOT / "docs" / "install.md").read_text()
+    paragraph = next(p for p in install.split("\n\n") if "on SIGTERM or Ctrl-C" in p)
+    named = set(re.findall(r"`\.NAME(\.sock\.\w+)`", paragraph.split("After a SIGKILL")[0]))
+    assert named == {".sock.state", ".sock.lock", ".sock.prepared"}
+    assert {f".a{suffix}" for suffix in named} - set(left) == {".a.sock.state"}  # the one said to be removed
