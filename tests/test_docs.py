@@ -101,3 +101,19 @@ def test_chart_tests_fail_in_ci_without_helm_sdkpy(tmp_path):
     tail = done.stdout[-2000:]
     assert done.returncode == 1 and "failed" in tail and "skipped" not in tail, tail
     assert "helm-sdkpy is not installed here" in done.stdout
+
+
+def test_readme_claims_agree_with_measured_and_tested_behaviour():
+    """Figures the README gives come from bench/RESULTS.md with the machine they were measured on;
+    what it says an engine cannot do, it really cannot."""
+    readme = (ROOT / "README.md").read_text()
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    build = " ".join(re.search(r"build-native` \(once.*?compiles", readme, re.DOTALL).group(0).split())
+    timings = re.findall(r"([\d.]+) s on an? (\d+-core [\w -]+?)(?:,|\))", build)
+    assert len(timings) >= 2, build  # a range, each end with the machine it was measured on
+    for seconds, machine in timings:
+        assert re.search(rf"\b{re.escape(seconds)}[\d.]* s\b[^.]*?{machine.split()[0]}", " ".join(results.split())), \
+            (seconds, machine)
+    # a tensor-parallel engine generates (tests/test_tensor_parallel.py: TP=2 tokens equal TP=1's)
+    assert "needs `tp_size` 1" not in readme
+    assert "--dist-init tcp://HOST:PORT" in readme and "same\ntokens as `--tp-size 1`" in readme
