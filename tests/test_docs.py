@@ -117,3 +117,19 @@ def test_readme_claims_agree_with_measured_and_tested_behaviour():
     # a tensor-parallel engine generates (tests/test_tensor_parallel.py: TP=2 tokens equal TP=1's)
     assert "needs `tp_size` 1" not in readme
     assert "--dist-init tcp://HOST:PORT" in readme and "same\ntokens as `--tp-size 1`" in readme
+
+
+def test_readme_says_users_build_and_push_the_images_and_the_chart_takes_their_names():
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    kube = readme.split("\n## On Kubernetes", 1)[1].split("\n## ", 1)[0]
+    assert "No images are published" in kube
+    commands = " ".join(re.findall(r"```bash\n(.*?)```", kube, re.DOTALL)[0].split())
+    values = yaml.safe_load((ROOT / "charts" / "weightcache" / "values.yaml").read_text())
+    for image in ("operator", "agent"):
+        dockerfile = f"images/{image}.Dockerfile"
+        assert (ROOT / dockerfile).exists()
+        tag = re.search(rf"docker build -f {dockerfile} -t (\S+) \.", commands).group(1)
+        assert f"docker push {tag}" in commands
+        assert f"--set {image}.image={tag}" in commands and "image" in values[image]  # a key the chart has
