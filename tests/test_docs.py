@@ -133,3 +133,22 @@ def test_readme_says_users_build_and_push_the_images_and_the_chart_takes_their_n
         tag = re.search(rf"docker build -f {dockerfile} -t (\S+) \.", commands).group(1)
         assert f"docker push {tag}" in commands
         assert f"--set {image}.image={tag}" in commands and "image" in values[image]  # a key the chart has
+
+
+def test_readme_first_screen_says_for_whom_the_three_figures_and_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    results = " ".join((ROOT / "bench" / "RESULTS.md").read_text().split())
+    screen = readme[:readme.index("```", readme.index("```bash") + 3) + 3]  # up to the end of the first commands
+    assert len(screen.splitlines()) <= 26, len(screen.splitlines())
+    assert re.search(r"^For platform teams running LLM inference on GPU fleets", screen, re.MULTILINE)
+    rows = [line for line in screen.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    rows = [row for row in rows if not set(row) <= set("|- :")]
+    assert [bool(re.search(topic, row)) for row, topic in zip(rows, ("restart", "standby takes over", "cold load"))] \
+        == [True, True, True], rows
+    for row in rows:
+        for figure in re.findall(r"\*\*([^*]+)\*\*|(\d[\d.]*(?:-[\d.]+)? (?:ms|s))\b", row):
+            figure = figure[0] or figure[1]
+            ends = figure.split()[0].split("-")
+            assert figure in results or all(end in results for end in ends), (figure, row)
+    commands = re.search(r"```bash\n(.*?)```", screen, re.DOTALL).group(1)
+    assert "pip install torch" in commands and "pip install -e . && weightcache demo" in commands
