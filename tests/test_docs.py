@@ -152,3 +152,13 @@ def test_readme_first_screen_says_for_whom_the_three_figures_and_the_two_command
             assert figure in results or all(end in results for end in ends), (figure, row)
     commands = re.search(r"```bash\n(.*?)```", screen, re.DOTALL).group(1)
     assert "pip install torch" in commands and "pip install -e . && weightcache demo" in commands
+
+
+def test_readme_sends_users_to_the_envtest_convention_not_a_folder_outside_the_clone():
+    readme = (ROOT / "README.md").read_text()
+    tests = readme.split("\n## Run the tests", 1)[1].split("\n## ", 1)[0]
+    assert "KUBEBUILDER_ASSETS" in tests and "../shared" not in tests
+    for binary in ("kube-apiserver", "etcd", "kubectl", "kube-controller-manager", "kube-scheduler"):
+        assert f"`{binary}`" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "export KUBEBUILDER_ASSETS" in ci  # CI runs them the same way, from its shared copy
