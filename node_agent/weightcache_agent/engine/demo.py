@@ -236,6 +236,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     with console.waiting("importing torch"):
         preflight(args)
         from ..serve.process_group import ProcessGroup
+        from ..testing import synthetic  # noqa: F401  torch, for the checkpoint: imported under this ticker
     console.step(1, steps, "checkpoint")
     model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)  # says when it writes
     from ..load.checkpoint import open_checkpoint
