@@ -78,8 +78,8 @@ def refuse(prog: str, message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
-TORCH_INSTALL = ("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU build; on a GPU "
-                 "machine, the torch build for your CUDA)")
+TORCH_INSTALL = ("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU build; "
+                 "on a GPU machine, the torch build for your CUDA)")
 
 
 def torch_problem(what: str) -> str | None:

@@ -194,8 +194,7 @@ def why_not_serving(view: "CacheView", p: Placement, gp: "GroupPods", serving_po
         if (failure := pod_failure(pod)) is not None:
             return f"pod {_meta(pod).get('name')}: {failure}"
     roles = view.roles.get(node, {})
-    attached = {_meta(x).get("name"): roles[_meta(x).get("name")] for x in gp.live.values()
-                if _meta(x).get("name") in roles}
+    attached = sorted(name for x in gp.live.values() if (name := _meta(x).get("name")) in roles)
     if not attached:
         misses = view.misses.get(node, 0)
         if misses:
@@ -203,7 +202,7 @@ def why_not_serving(view: "CacheView", p: Placement, gp: "GroupPods", serving_po
                     "started (another fingerprint or a failed load: the engines' logs name the fields)")
         return f"no engine attached to the agent on {node} yet (starting, or not reaching its socket)"
     if serving_pod is None:
-        return f"waiting for promotion: {', '.join(sorted(attached))} attached as standby, none as primary"
+        return f"waiting for promotion: {', '.join(attached)} attached as standby, none as primary"
     name = _meta(serving_pod).get("name")
     if not pod_ready(serving_pod):
         return f"primary {name} is not Ready yet"

@@ -342,9 +342,9 @@ class Engine:
             raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
         unknown = sorted(set(request) - {"tokens", "max_tokens"})
         if unknown:
-            text = " (this engine has no tokenizer: send token ids)" if {"prompt", "text", "messages"} & set(unknown) else ""
+            text = {"prompt", "text", "messages"} & set(unknown)
             raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'"
-                             f"{text}")
+                             + (" (this engine has no tokenizer: send token ids)" if text else ""))
         assert self.model is not None
         tokens, vocab = request.get("tokens"), self.model.config.vocab_size
         if not isinstance(tokens, list):

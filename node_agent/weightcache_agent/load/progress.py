@@ -138,7 +138,8 @@ class LoadProgress:
     def line(self, what: str = "") -> str:
         """One progress line: read bytes, percentage, rate, ETA, source tensors, and the resident target."""
         p = self.to_json()
-        return (f"loading{' ' + what if what else ''}: read {size_text(self.bytes_done)} of {size_text(self.bytes_total)} "
+        return (f"loading{' ' + what if what else ''}: read {size_text(self.bytes_done)} of "
+                f"{size_text(self.bytes_total)} "
                 f"({p['fraction']:.0%}), {_rate(p['bytes_per_second'])}, "
                 f"ETA {_eta(p['eta_seconds'])}, {self.tensors_done}/{self.tensors_total} source "
                 f"tensors -> {self.target()}")

@@ -23,8 +23,8 @@ from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
 from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, CacheSpec
-from ..usage import (EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TORCH_INSTALL, parser as usage_parser,
-                     refuse)
+from ..usage import (EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TORCH_INSTALL,
+                     parser as usage_parser, refuse)
 
 if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
     from ..arena.devices import Device
