@@ -5,9 +5,13 @@ collection, scheduling with Dynamic Resource Allocation, ValidatingAdmissionPoli
 and bound service-account tokens only behave as in a cluster when a real
 kube-apiserver, kube-controller-manager and kube-scheduler run them.
 
-How: the scripts in ``<repo>/../shared/k8s`` (``up.sh``, ``fake-node.sh``,
-``down.sh``) start etcd and the three components on loopback, on free ports picked
-here, in a fresh writable directory under the temp dir. ``Lab.start()`` brings it up
+How: the scripts in ``tests/k8s`` (``control-plane.sh``, ``fake-node.sh``, ``down.sh``)
+start etcd and the three components on loopback, on free ports picked here, in a fresh
+writable directory under the temp dir. The binaries come, as controller-runtime's envtest
+finds them, from the directory ``$KUBEBUILDER_ASSETS`` names: ``kube-apiserver``, ``etcd``
+and ``kubectl`` (envtest's set) plus ``kube-controller-manager`` and ``kube-scheduler``
+(garbage collection, EndpointSlices, scheduling). Without it, from ``<repo>/../shared/k8s``
+(its ``bin/*.xz``, with etcd and kubectl on PATH). ``Lab.start()`` brings it up
 once (tests share it through the session fixture ``k8s_lab`` in ``conftest.py``), adds
 fake nodes that heartbeat, publishes the ``DeviceClass`` for GPUs, applies the
 project's CRDs, and hands back a ``Lab``: the kubeconfig path, node names, an admin
@@ -26,9 +30,9 @@ A test that assembles more of the system uses it like this::
             ...
         k8s_lab.delete_namespace(ns)
 
-Where the scripts or etcd are missing (a user's clone), ``unavailable_reason()`` says
-why and the fixture skips. ``WEIGHTCACHE_K8S_LAB=DIR`` reuses a control plane already
-started with ``up.sh DIR`` (it is then neither wiped nor stopped).
+Where the binaries are missing, ``unavailable_reason()`` says which and the fixture
+skips. ``WEIGHTCACHE_K8S_LAB=DIR`` reuses a control plane already started with
+``tests/k8s/control-plane.sh DIR`` (it is then neither wiped nor stopped).
 """
 from __future__ import annotations
 
@@ -57,24 +61,53 @@ from typing import Any, TypeVar
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "tests" / "k8s"
 SHARED_K8S = REPO.parent / "shared" / "k8s"
+ASSETS_ENV = "KUBEBUILDER_ASSETS"  # controller-runtime envtest's name for the binaries' directory
 CRDS = REPO / "crds"
 GPU_DRIVER = "gpu.nvidia.com"
 DEFAULT_NODES = ("node-1", "node-2")
 BINARIES = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
+ASSETS = ("kube-apiserver", "etcd", "kubectl", "kube-controller-manager", "kube-scheduler")
 
 T = TypeVar("T")
 
 
-def unavailable_reason(shared: Path = SHARED_K8S) -> str | None:
+def assets_dir() -> Path | None:
+    """The directory $KUBEBUILDER_ASSETS names, or None (then the binaries come from ../shared/k8s)."""
+    value = os.environ.get(ASSETS_ENV, "").strip()
+    return Path(value) if value else None
+
+
+def unavailable_reason(shared: Path = SHARED_K8S, assets: Path | None = None) -> str | None:
     """Why a control plane cannot be started here, or None when it can."""
-    if not (shared / "up.sh").is_file():
-        return f"no control-plane scripts at {shared} (up.sh absent)"
-    for tool, hint in (("etcd", "apt-get install -y etcd-server"), ("kubectl", "a kubectl binary"),
-                       ("openssl", "openssl"), ("curl", "curl")):
+    assets = assets if assets is not None else assets_dir()
+    for tool in ("openssl", "curl"):
         if shutil.which(tool) is None:
-            return f"{tool} not on PATH (needs {hint})"
+            return f"{tool} not on PATH"
+    if assets is not None:
+        missing = [b for b in ASSETS if not os.access(assets / b, os.X_OK)]
+        if missing:
+            return (f"${ASSETS_ENV}={assets} lacks {', '.join(missing)} (it must hold envtest's kube-apiserver, "
+                    "etcd and kubectl, and kube-controller-manager and kube-scheduler)")
+        return None
+    if not all((shared / "bin" / f"{name}.xz").is_file() for name in BINARIES):
+        return (f"set ${ASSETS_ENV} to a directory holding kube-apiserver, etcd, kubectl, kube-controller-manager "
+                f"and kube-scheduler (no binaries at {shared} either)")
+    for tool, hint in (("etcd", "apt-get install -y etcd-server"), ("kubectl", "a kubectl binary")):
+        if shutil.which(tool) is None:
+            return f"{tool} not on PATH (needs {hint}), or set ${ASSETS_ENV}"
     return None
+
+
+def tool_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """`env` (default: this process's) with the assets' etcd and kubectl first on PATH, for the scripts."""
+    env = dict(os.environ if env is None else env)
+    assets = assets_dir()
+    if assets is not None:
+        env.update(PATH=f"{assets}{os.pathsep}{env.get('PATH', '')}", ETCD_BIN=str(assets / "etcd"),
+                   KUBECTL=str(assets / "kubectl"))
+    return env
 
 
 def free_ports(n: int) -> list[int]:
@@ -282,6 +315,12 @@ def _binary_cache() -> Path:
 
 
 def _unpack_binaries(dest: Path) -> None:
+    assets = assets_dir()
+    if assets is not None:  # envtest's layout: the binaries as they are
+        for name in BINARIES:
+            if not (dest / name).exists():
+                (dest / name).symlink_to(assets.resolve() / name)
+        return
     cache = _binary_cache()
     cache.mkdir(parents=True, exist_ok=True)
     for name in BINARIES:
@@ -322,7 +361,7 @@ class Lab:
     @property
     def env(self) -> dict[str, str]:
         """Environment for a process that talks to this control plane (kubectl, an operator)."""
-        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        return {**tool_env(), "KUBECONFIG": str(self.kubeconfig)}
 
     @property
     def api(self) -> ApiClient:
@@ -350,13 +389,13 @@ class Lab:
             lab = cls(d, ports={"ETCD_PORT": etcd, "ETCD_PEER_PORT": peer, "APISERVER_PORT": api,
                                 "KCM_PORT": kcm, "SCHED_PORT": sched})
             atexit.register(lab.stop)
-            env = {**os.environ, **{k: str(v) for k, v in lab.ports.items()}}
-            proc = subprocess.run([str(SHARED_K8S / "up.sh"), str(d)], env=env, capture_output=True,
+            env = tool_env({**os.environ, **{k: str(v) for k, v in lab.ports.items()}})
+            proc = subprocess.run([str(SCRIPTS / "control-plane.sh"), str(d)], env=env, capture_output=True,
                                   text=True, timeout=300, check=False)
             if proc.returncode != 0:
                 logs = "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted((d / "logs").glob("*.log")))
                 lab.stop()
-                raise RuntimeError(f"up.sh failed ({proc.returncode}): {proc.stderr[-2000:]}\n{logs}")
+                raise RuntimeError(f"control-plane.sh failed ({proc.returncode}): {proc.stderr[-2000:]}\n{logs}")
         try:
             for node in nodes:
                 lab.add_node(node)
@@ -381,7 +420,7 @@ class Lab:
                 if pid in self.leftover_pids():
                     os.kill(pid, signal.SIGTERM)
         with contextlib.suppress(Exception):
-            subprocess.run([str(SHARED_K8S / "down.sh"), str(self.dir), "--wipe"], capture_output=True,
+            subprocess.run([str(SCRIPTS / "down.sh"), str(self.dir), "--wipe"], capture_output=True,
                            timeout=120, env={**os.environ, "STOP_TIMEOUT_S": "10"}, check=False)
         deadline = time.monotonic() + 5
         while self.leftover_pids() and time.monotonic() < deadline:
@@ -409,7 +448,8 @@ class Lab:
     # -- kubectl -----------------------------------------------------------------------
 
     def kubectl(self, *args: str, input: str | None = None, check: bool = True, timeout: float = 60) -> str:
-        proc = subprocess.run(["kubectl", "--kubeconfig", str(self.kubeconfig), *args], input=input,
+        kubectl = tool_env().get("KUBECTL", "kubectl")
+        proc = subprocess.run([kubectl, "--kubeconfig", str(self.kubeconfig), *args], input=input,
                               capture_output=True, text=True, timeout=timeout, check=False)
         if check and proc.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {proc.stderr.strip()}")
@@ -424,8 +464,8 @@ class Lab:
 
     def add_node(self, name: str) -> None:
         """A Node kept Ready by a heartbeat loop (stopped by down.sh)."""
-        proc = subprocess.run([str(SHARED_K8S / "fake-node.sh"), "start", name, str(self.dir)],
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run([str(SCRIPTS / "fake-node.sh"), "start", name, str(self.dir)],
+                              capture_output=True, text=True, timeout=60, env=tool_env())
         if proc.returncode != 0:
             raise RuntimeError(f"fake-node.sh start {name}: {proc.stderr.strip()}")
         if name not in self.nodes:

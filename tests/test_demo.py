@@ -65,7 +65,7 @@ def test_demo_ctrl_c_stops_everything(cache_dir, tmp_path):
             if "standby pid" in line:
                 break
         assert len(pids) == 3, "".join(output)  # agent, primary, standby
-        assert "(cached)" in "".join(output)  # the checkpoint from the first test was reused
+        assert "(cached: written by an earlier run, reused)" in "".join(output)  # the first test's checkpoint
         time.sleep(0.5)  # engines importing/attaching: the awkward moment to be interrupted
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=60)

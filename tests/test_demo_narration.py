@@ -4,6 +4,7 @@ that come first."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -42,6 +43,18 @@ def test_demo_says_what_it_waits_for(tmp_path):
     assert "builds the model on the meta device and attaches" in text
     assert "done: no process or socket left behind." in text
     assert "... " in text  # at least one heartbeat: the torch import alone takes longer than a beat
+    # the write is timed on its ticker's clock: no tick later than the time reported at its end
+    ticks = [float(t) for t in re.findall(r"\.\.\. writing the checkpoint \((\d+) s\)", text)]
+    written = re.search(r"written in ([\d.]+) (m?s)", text)
+    seconds = float(written.group(1)) / (1000 if written.group(2) == "ms" else 1)
+    assert all(t <= seconds + 0.5 for t in ticks), (ticks, written.group(0))  # ticks print rounded to a second
+
+    # A second run reuses the checkpoint: it says so, and never that it is writing one.
+    again = subprocess.run([*DEMO, "--backend", "cpu", "--dir", str(tmp_path / "cache")], capture_output=True,
+                           text=True, env=env, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(cached: written by an earlier run, reused)" in again.stdout
+    assert "writing the checkpoint" not in again.stdout and "creating the demo checkpoint" not in again.stdout
 
 
 @pytest.mark.skipif(cuda_available(), reason="a GPU is visible: --backend cuda is valid here")

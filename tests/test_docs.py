@@ -101,3 +101,64 @@ def test_chart_tests_fail_in_ci_without_helm_sdkpy(tmp_path):
     tail = done.stdout[-2000:]
     assert done.returncode == 1 and "failed" in tail and "skipped" not in tail, tail
     assert "helm-sdkpy is not installed here" in done.stdout
+
+
+def test_readme_claims_agree_with_measured_and_tested_behaviour():
+    """Figures the README gives come from bench/RESULTS.md with the machine they were measured on;
+    what it says an engine cannot do, it really cannot."""
+    readme = (ROOT / "README.md").read_text()
+    results = (ROOT / "bench" / "RESULTS.md").read_text()
+    build = " ".join(re.search(r"build-native` \(once.*?compiles", readme, re.DOTALL).group(0).split())
+    timings = re.findall(r"([\d.]+) s on an? (\d+-core [\w -]+?)(?:,|\))", build)
+    assert len(timings) >= 2, build  # a range, each end with the machine it was measured on
+    for seconds, machine in timings:
+        assert re.search(rf"\b{re.escape(seconds)}[\d.]* s\b[^.]*?{machine.split()[0]}", " ".join(results.split())), \
+            (seconds, machine)
+    # a tensor-parallel engine generates (tests/test_tensor_parallel.py: TP=2 tokens equal TP=1's)
+    assert "needs `tp_size` 1" not in readme
+    assert "--dist-init tcp://HOST:PORT" in readme and "same\ntokens as `--tp-size 1`" in readme
+
+
+def test_readme_says_users_build_and_push_the_images_and_the_chart_takes_their_names():
+    import yaml
+
+    readme = (ROOT / "README.md").read_text()
+    kube = readme.split("\n## On Kubernetes", 1)[1].split("\n## ", 1)[0]
+    assert "No images are published" in kube
+    commands = " ".join(re.findall(r"```bash\n(.*?)```", kube, re.DOTALL)[0].split())
+    values = yaml.safe_load((ROOT / "charts" / "weightcache" / "values.yaml").read_text())
+    for image in ("operator", "agent"):
+        dockerfile = f"images/{image}.Dockerfile"
+        assert (ROOT / dockerfile).exists()
+        tag = re.search(rf"docker build -f {dockerfile} -t (\S+) \.", commands).group(1)
+        assert f"docker push {tag}" in commands
+        assert f"--set {image}.image={tag}" in commands and "image" in values[image]  # a key the chart has
+
+
+def test_readme_first_screen_says_for_whom_the_three_figures_and_the_two_commands():
+    readme = (ROOT / "README.md").read_text()
+    results = " ".join((ROOT / "bench" / "RESULTS.md").read_text().split())
+    screen = readme[:readme.index("```", readme.index("```bash") + 3) + 3]  # up to the end of the first commands
+    assert len(screen.splitlines()) <= 26, len(screen.splitlines())
+    assert re.search(r"^For platform teams running LLM inference on GPU fleets", screen, re.MULTILINE)
+    rows = [line for line in screen.splitlines() if line.startswith("| ") and not line.startswith("| what")]
+    rows = [row for row in rows if not set(row) <= set("|- :")]
+    assert [bool(re.search(topic, row)) for row, topic in zip(rows, ("restart", "standby takes over", "cold load"))] \
+        == [True, True, True], rows
+    for row in rows:
+        for figure in re.findall(r"\*\*([^*]+)\*\*|(\d[\d.]*(?:-[\d.]+)? (?:ms|s))\b", row):
+            figure = figure[0] or figure[1]
+            ends = figure.split()[0].split("-")
+            assert figure in results or all(end in results for end in ends), (figure, row)
+    commands = re.search(r"```bash\n(.*?)```", screen, re.DOTALL).group(1)
+    assert "pip install torch" in commands and "pip install -e . && weightcache demo" in commands
+
+
+def test_readme_sends_users_to_the_envtest_convention_not_a_folder_outside_the_clone():
+    readme = (ROOT / "README.md").read_text()
+    tests = readme.split("\n## Run the tests", 1)[1].split("\n## ", 1)[0]
+    assert "KUBEBUILDER_ASSETS" in tests and "../shared" not in tests
+    for binary in ("kube-apiserver", "etcd", "kubectl", "kube-controller-manager", "kube-scheduler"):
+        assert f"`{binary}`" in tests
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "export KUBEBUILDER_ASSETS" in ci  # CI runs them the same way, from its shared copy

@@ -9,6 +9,7 @@ real HTTP server on 127.0.0.1 behind an agent pod whose status points at it.
 """
 from __future__ import annotations
 
+import time
 import uuid as uuidlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,12 +141,28 @@ def test_engineset_on_a_real_api_server_with_the_charts_rbac(k8s_chart: Lab, ns:
                 return ips or None
             assert wait_for(endpoints, timeout=60, what="the Service's endpoints") == {"10.0.0.10"}
 
-            # Deleting the EngineSet: kopf lets it go, the garbage collector takes the children.
+            # Deleting the WeightCache while the EngineSet names it is held, as a PVC in use is, with
+            # an Event saying which EngineSet; the agents and the engines' routes stay.
+            lab.api.delete(wc_path(ns, "weightcaches", "qwen"))
+            wait_for(lambda: any(e.get("reason") == "InUse" and "EngineSet chat uses this WeightCache"
+                                 in e.get("message", "") for e in lab.api.get(
+                                     ns_path(ns, "events"), fieldSelector="involvedObject.name=qwen")["items"]),
+                     timeout=60, what="the InUse Event")
+            time.sleep(3)  # three poll intervals: still held
+            cache = lab.api.get(wc_path(ns, "weightcaches", "qwen"))
+            assert cache["metadata"].get("deletionTimestamp") and "weightcache.io/operator" in \
+                cache["metadata"]["finalizers"]
+            assert lab.api.get_or_none(f"/apis/apps/v1/namespaces/{ns}/daemonsets/qwen-agent") is not None
+            assert wait_for(endpoints, timeout=10, what="the Service's endpoints") == {"10.0.0.10"}
+
+            # Deleting the EngineSet: kopf lets it go, the garbage collector takes the children,
+            # and then the held WeightCache goes too.
             lab.api.delete(wc_path(ns, "enginesets", "chat"))
             wait_for(lambda: lab.api.get_or_none(ns_path(ns, "services", "chat")) is None, timeout=60,
                      what="the Service collected")
             for n in ("chat-0-0", "chat-0-1"):
                 wait_for(lambda n=n: (p := lab.api.get_or_none(pods_path(ns, n))) is None
                          or p["metadata"].get("deletionTimestamp"), timeout=60, what=f"{n} collected")
-            assert lab.api.get_or_none(wc_path(ns, "weightcaches", "qwen")) is not None  # never the cache
+            wait_for(lambda: lab.api.get_or_none(wc_path(ns, "weightcaches", "qwen")) is None, timeout=60,
+                     what="the WeightCache gone once nothing uses it")
         assert runner.exception is None

@@ -332,3 +332,55 @@ async def test_standbys_make_room_while_the_cache_waits_for_memory_for_a_new_mod
                            in es_of(kmock, "chat")["status"]["rollout"].get("message", ""), what="the rollout waiting")
             await asyncio.sleep(3 * POLL)  # no standby on a node whose agent still runs the old model
             assert pod(kmock, "chat-0-1") is None and serving(kmock, "chat-0-0") == "true"
+
+
+async def test_an_engineset_that_does_not_serve_says_why_per_group(cluster: KubeClient, kmock: Any) -> None:
+    """Pods Ready, no primary: Ready=False names each group's reason, from what the agent reports --
+    nothing attached, attaches refused, only standbys, the agent silent -- and a cause the agents
+    reported to the WeightCache is carried into the EngineSet that waits on it."""
+    too_wide = "tensor-parallel size 16 needs 16 GPUs on this node, only 8 selected"
+    with AgentServer(node_status("node-a")) as a, AgentServer({"node": "node-b", "phase": "Failed",
+                                                               "message": too_wide}) as b:
+        await create_device_class(cluster)
+        await cluster.create(WC_RESOURCE, weightcache("qwen", CACHE_SPEC))
+        await cluster.create(POD_RESOURCE, agent_pod("qwen", "node-a", a.port, model="/models/qwen"))
+        await cluster.create(WC_RESOURCE, weightcache("wide", CACHE_SPEC))
+        await cluster.create(POD_RESOURCE, agent_pod("wide", "node-b", b.port, model="/models/qwen"))
+        async with operator(kmock):
+            await cluster.create(ES_RESOURCE, engineset("chat", {
+                "cacheRef": {"name": "qwen"}, "replicas": 1, "standbys": 1, "template": TEMPLATE}))
+            await cluster.create(ES_RESOURCE, engineset("big", {"cacheRef": {"name": "wide"}, "template": TEMPLATE}))
+
+            def ready_message(name: str) -> str:
+                return (condition(es_of(kmock, name), "Ready") or {}).get("message", "")
+
+            await wait_for(lambda: pod(kmock, "chat-0-0") and pod(kmock, "chat-0-1"), what="two engine pods")
+            pods = {n: await kubelet(cluster, kmock, n) for n in ("chat-0-0", "chat-0-1")}
+            await wait_for(lambda: "group 0: no engine attached to the agent on node-a yet" in ready_message("chat"),
+                           what="no engine attached")
+            ready = condition(es_of(kmock, "chat"), "Ready")
+            assert ready["status"] == "False" and ready["reason"] == "GroupsNotServing"
+            assert ready["message"].startswith("0/1 groups serving; group 0: ")
+
+            refused = node_status("node-a")
+            refused["ranks"][0]["misses"] = 3
+            a.doc = refused
+            await wait_for(lambda: "which has refused 3 attach(es)" in ready_message("chat"), what="refusals named")
+
+            a.doc = node_status("node-a", [lease(pods["chat-0-0"], "standby", "default/chat-0"),
+                                           lease(pods["chat-0-1"], "standby", "default/chat-0")])
+            await wait_for(lambda: "group 0: waiting for promotion: chat-0-0, chat-0-1 attached as standby, none as "
+                                   "primary" in ready_message("chat"), what="waiting for promotion")
+
+            a.raw = b"{half a document"  # an agent answering garbage is no answer
+            await wait_for(lambda: "group 0: the agent on node-a does not answer" in ready_message("chat"),
+                           what="the agent silent")
+
+            a.raw, a.doc = None, node_status("node-a", [lease(pods["chat-0-0"], "primary", "default/chat-0")])
+            await wait_for(lambda: condition(es_of(kmock, "chat"), "Ready")["status"] == "True", what="serving")
+
+            # The cause found on the WeightCache, carried over.
+            degraded = await wait_for(lambda: (c := condition(es_of(kmock, "big"), "Degraded")) and
+                                      too_wide in c.get("message", "") and c, what="the cache's cause on the EngineSet")
+            assert degraded["reason"] == "CacheNotReady" and "AgentFailed" in degraded["message"]
+            assert "group 0: not placed" in ready_message("big")

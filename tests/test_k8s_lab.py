@@ -5,12 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 
 from fake_kubelet import _expand
-from k8s_lab import GPU_DRIVER, Lab, unavailable_reason
+from k8s_lab import ASSETS_ENV, GPU_DRIVER, Lab, unavailable_reason
 
 
-def test_a_clone_without_the_scripts_gets_a_reason_to_skip(tmp_path: Path) -> None:
+def test_a_clone_without_the_binaries_is_told_the_envtest_convention(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(ASSETS_ENV, raising=False)
     reason = unavailable_reason(tmp_path / "shared" / "k8s")
-    assert reason and "up.sh absent" in reason
+    assert reason and "set $KUBEBUILDER_ASSETS to a directory holding kube-apiserver, etcd, kubectl" in reason
+    # a directory with only envtest's three: the two components the tests also need are named
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    for name in ("kube-apiserver", "etcd", "kubectl"):
+        (assets / name).write_text("#!/bin/sh\n")
+        (assets / name).chmod(0o755)
+    monkeypatch.setenv(ASSETS_ENV, str(assets))
+    reason = unavailable_reason(tmp_path / "shared" / "k8s")
+    assert reason and f"$KUBEBUILDER_ASSETS={assets} lacks kube-controller-manager, kube-scheduler" in reason
 
 
 def test_the_lab_has_ready_nodes_the_gpu_class_and_the_crds(k8s_lab: Lab) -> None:

@@ -21,14 +21,20 @@ import pytest
 from weightcache_agent import agent_status
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.checkpoint import open_checkpoint
-from weightcache_agent.load.progress import INTERVAL_ENV, LoadProgress, interval_problem, log_interval
+from weightcache_agent.load.progress import INTERVAL_ENV, LoadProgress, interval_problem, log_interval, size_text
 from weightcache_agent.serve.status_cli import render
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 # ~130 MB of bf16: quantizing it to fp8-block takes long enough for several lines at 10 ms
 SHAPE = LlamaShape(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=4, vocab_size=8192)
-GIB = r"([\d.]+) GiB"
+GIB = r"([\d.]+ (?:B|KiB|MiB|GiB|TiB))"  # a size in the unit that shows it (never "0.00 GiB")
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def size(text: str) -> float:
+    number, unit = text.split()
+    return float(number) * UNITS[unit]
 LINE = re.compile(rf"loading tiny: read {GIB} of {GIB} \((\d+)%\), [\d.]+ (?:MiB|GiB)/s, ETA (?:\S+), "
                   rf"(\d+)/(\d+) source tensors -> (\d+) tensors, {GIB} resident \(fp8-block\)")
 
@@ -68,23 +74,24 @@ def test_agent_without_a_terminal_logs_periodic_progress_lines(model, tmp_path):
         _, err = proc.communicate(timeout=30)
     assert "\r" not in err and "source tensors/s" not in err  # no tqdm bar in a log
     sources = len(open_checkpoint(model).tensors)
-    resident_gib = f"{status['bytes'] / 2**30:.2f}"
+    resident = size_text(status["bytes"])
+    assert not resident.startswith("0") and status["bytes"] < 2**30 and resident.endswith(" MiB")
 
     lines = [m for m in map(LINE.search, err.splitlines()) if m]
     assert len(lines) >= 2, err
-    done = [float(m.group(1)) for m in lines]
+    done = [size(m.group(1)) for m in lines]
     assert done == sorted(done) and done[-1] > 0
     for m in lines:
-        assert float(m.group(1)) <= float(m.group(2))
+        assert size(m.group(1)) <= size(m.group(2))
         assert int(m.group(5)) == sources and int(m.group(4)) <= sources
         assert int(m.group(6)) == status["tensors"] > sources  # the scales fp8-block adds are counted
-        assert m.group(7) == resident_gib
+        assert m.group(7) == resident
     # the summary says the same thing in the same words, and matches what status reports
     summary = re.search(rf"loaded \S+: read (\d+) source tensors, {GIB} -> (\d+) tensors, {GIB} resident "
                         rf"\(fp8-block\) in [\d.]+s", err)
     assert summary, err
     assert int(summary.group(1)) == sources and summary.group(2) == lines[0].group(2)
-    assert int(summary.group(3)) == status["tensors"] and summary.group(4) == resident_gib
+    assert int(summary.group(3)) == status["tensors"] and summary.group(4) == resident
     assert re.search(rf"loading \S+: reading {sources} source tensors, {GIB} -> {status['tensors']} tensors", err)
     # `weightcache status` words it the same way, during the load (when a poll caught it) and after
     assert re.search(rf"RESIDENT +[\d.]+ MiB in {status['tensors']} tensors \(fp8-block\)", render(status))
@@ -141,7 +148,7 @@ def test_lines_stop_when_the_load_ends(caplog):
         logged = len(caplog.records)
         time.sleep(0.05)
     assert logged >= 2 and len(caplog.records) == logged
-    assert caplog.records[0].getMessage().startswith("loading m: read 0.00 GiB of 0.00 GiB (50%)")
+    assert caplog.records[0].getMessage().startswith("loading m: read 50 B of 100 B (50%)")
     assert not any(t.name == "progress" and t.is_alive() for t in threading.enumerate())
 
 

@@ -11,6 +11,7 @@ Imports nothing heavy: `weightcache status` and `--help` stay fast.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import NoReturn
 
@@ -75,3 +76,16 @@ def refuse(prog: str, message: str, code: int = EXIT_FAILED) -> int:
     """Print `prog: message` as one line on stderr; return `code` for the caller to exit with."""
     print(f"{prog}: {' '.join(str(message).split())}", file=sys.stderr)
     return code
+
+
+TORCH_INSTALL = ("python -m pip install torch --index-url https://download.pytorch.org/whl/cpu (the CPU build; "
+                 "on a GPU machine, the torch build for your CUDA)")
+
+
+def torch_problem(what: str) -> str | None:
+    """Why `what` cannot run here when torch is not installed (with the command that installs it), or None.
+
+    Looks the package up without importing it: a refusal stays instant, and a present torch costs nothing here."""
+    if importlib.util.find_spec("torch") is not None:
+        return None
+    return f"{what} needs torch, which is not installed: {TORCH_INSTALL}"

@@ -89,6 +89,7 @@ STATUS_KEYS = (
     "rollout", "groups", "conditions",
 )
 MAX_GROUP_ENTRIES = 64
+MAX_REASONS = 4  # groups named in the Ready condition's message; the rest counted
 # `kubectl annotate engineset NAME weightcache.io/switchover-to=POD`: a planned switchover on request.
 ANNOTATION_SWITCHOVER = "weightcache.io/switchover-to"
 
@@ -181,6 +182,33 @@ def pod_failure(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
+def why_not_serving(view: "CacheView", p: Placement, gp: "GroupPods", serving_pod: Mapping[str, Any] | None) -> str:
+    """Why a placed group does not serve, in the words a platform engineer acts on: the agent, the pods,
+    the attaches (what the node's agent holds for them), the promotion, readiness."""
+    node = p.node
+    if node in view.unreachable:
+        return f"the agent on {node} does not answer ({view.unreachable[node]})"
+    if not gp.live:
+        return "no engine pod yet"
+    for pod in gp.live.values():
+        if (failure := pod_failure(pod)) is not None:
+            return f"pod {_meta(pod).get('name')}: {failure}"
+    roles = view.roles.get(node, {})
+    attached = sorted(name for x in gp.live.values() if (name := _meta(x).get("name")) in roles)
+    if not attached:
+        misses = view.misses.get(node, 0)
+        if misses:
+            return (f"no engine attached to the agent on {node}, which has refused {misses} attach(es) since it "
+                    "started (another fingerprint or a failed load: the engines' logs name the fields)")
+        return f"no engine attached to the agent on {node} yet (starting, or not reaching its socket)"
+    if serving_pod is None:
+        return f"waiting for promotion: {', '.join(attached)} attached as standby, none as primary"
+    name = _meta(serving_pod).get("name")
+    if not pod_ready(serving_pod):
+        return f"primary {name} is not Ready yet"
+    return f"primary {name} is not labelled serving yet"
+
+
 def pod_age(pod: Mapping[str, Any], now: datetime.datetime) -> float:
     created = _meta(pod).get("creationTimestamp")
     try:
@@ -258,6 +286,8 @@ class CacheView:
     current: set[str] = dataclasses.field(default_factory=set)
     # The cache holds a model change until its nodes have room for a second copy: standbys stop meanwhile.
     memory_hold: bool = False
+    # node -> attaches its agent refused since it started (another fingerprint, a failed load)
+    misses: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class EngineSetReconciler(ObjectReconciler):
@@ -279,9 +309,13 @@ class EngineSetReconciler(ObjectReconciler):
             raise SpecError("UnknownDeviceClass",
                             f"spec.gpuBinding.deviceClassName: DeviceClass {es.device_class} does not exist "
                             "(install the GPU's DRA driver, or use gpuBinding.mode visibleDevices)")
-        ready = {c.get("type"): c for c in (cache.get("status") or {}).get("conditions") or []}.get("Ready") or {}
-        return (cs, ready.get("status") == "True", str(ready.get("message") or "no Ready condition yet"),
-                holds_for_memory(cache))
+        conditions = {c.get("type"): c for c in (cache.get("status") or {}).get("conditions") or []}
+        ready, degraded = conditions.get("Ready") or {}, conditions.get("Degraded") or {}
+        message = str(ready.get("message") or "no Ready condition yet")
+        if ready.get("status") != "True" and degraded.get("status") == "True" and degraded.get("message"):
+            # The cause the agents reported to the cache, so that the EngineSet waiting on it says why.
+            message += f"; {degraded.get('reason') or 'Degraded'}: {degraded['message']}"
+        return cs, ready.get("status") == "True", message, holds_for_memory(cache)
 
     async def _cache_view(self, namespace: str, es: EngineSetSpec) -> CacheView:
         assert self.api is not None
@@ -293,6 +327,7 @@ class EngineSetReconciler(ObjectReconciler):
         roles: dict[str, dict[str, str]] = {}
         urls: dict[str, str] = {}
         unreachable: dict[str, str] = {}
+        misses: dict[str, int] = {}
         current: set[str] = set()
         raw_by_name = {_meta(x).get("name"): x for x in raw}
         for agent in agents:
@@ -304,6 +339,8 @@ class EngineSetReconciler(ObjectReconciler):
                 continue
             prim[agent.node] = primaries(doc)
             roles[agent.node] = pod_roles(doc)
+            misses[agent.node] = sum(r["misses"] for r in doc.get("ranks") or []
+                                     if isinstance(r, Mapping) and isinstance(r.get("misses"), int))
             if agent.url:
                 urls[agent.node] = agent.url.rsplit("/status", 1)[0]
             if doc.get("phase") == "Ready" and \
@@ -315,7 +352,7 @@ class EngineSetReconciler(ObjectReconciler):
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
-                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold)
+                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold, misses)
 
     async def _still_not_primary(self, namespace: str, es: EngineSetSpec,
                                  pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -521,11 +558,13 @@ class EngineSetReconciler(ObjectReconciler):
         now_mono = time.monotonic()
         counts = {"replicas": 0, "ready": 0, "serving": 0, "standbys": 0, "pods": 0, "updated": 0}
 
+        not_serving: dict[int, str] = {}  # group -> why it does not serve, for the Ready condition
         for group, p in placed.items():
             gp = by_group.setdefault(group, GroupPods())
             if group in waiting:
                 # Its old objects are going away (scaled down and up, moved): a later pass creates anew.
                 groups_status.append({"index": group, "phase": "Starting", "node": p.node, "gpus": list(p.gpus)})
+                not_serving[group] = "waiting for its previous pods and claim to go"
                 continue
             if es.mode == "dra" and group not in claim_by_group:
                 try:
@@ -634,7 +673,10 @@ class EngineSetReconciler(ObjectReconciler):
             if gp.live:
                 counts["replicas"] += 1
             counts["ready"] += int(ready_primary)
-            counts["serving"] += int(ready_primary and (serving_pod in serving_true or serving_pod in labelled))
+            served = ready_primary and (serving_pod in serving_true or serving_pod in labelled)
+            counts["serving"] += int(served)
+            if not served:
+                not_serving[group] = why_not_serving(view, p, gp, serving_pod)
             counts["standbys"] += sum(1 for x in gp.live.values() if x is not serving_pod and pod_ready(x))
             updated = sum(1 for x in gp.live.values() if (_meta(x).get("labels") or {}).get(LABEL_TEMPLATE_HASH) == thash)
             counts["pods"] += len(gp.live)
@@ -653,6 +695,7 @@ class EngineSetReconciler(ObjectReconciler):
             groups_status.append(entry)
         for group in unplaced:
             groups_status.append({"index": group, "phase": "Unplaced"})
+            not_serving[group] = "not placed (see Degraded)"
 
         # The new serving pods first, then the old ones stop: never a gap in a group with a live primary.
         for pod in serving_true:
@@ -681,7 +724,7 @@ class EngineSetReconciler(ObjectReconciler):
             standbys=counts["standbys"], groups=groups_status[:MAX_GROUP_ENTRIES],
             rollout=self._rollout_status(thash, counts, rolling, step),
         )
-        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed) + [
+        return self._conditions(es, view, counts, unplaced, conflicts, rejected, placed, not_serving) + [
             self._progressing(rolling, step)]
 
     @staticmethod
@@ -800,14 +843,18 @@ class EngineSetReconciler(ObjectReconciler):
 
     @staticmethod
     def _conditions(es: EngineSetSpec, view: CacheView, counts: Mapping[str, int], unplaced: list[int],
-                    conflicts: list[str], rejected: list[str], placed: Mapping[int, Placement]) -> list[Desired]:
+                    conflicts: list[str], rejected: list[str], placed: Mapping[int, Placement],
+                    not_serving: Mapping[int, str]) -> list[Desired]:
         wanted, serving = es.replicas, counts["serving"]
         if wanted == 0:
             ready = Desired(READY, "True", "ScaledToZero", "replicas is 0")
         elif serving >= wanted:
             ready = Desired(READY, "True", "AllGroupsServing", f"{serving}/{wanted} groups serving")
         else:
-            ready = Desired(READY, "False", "GroupsNotServing", f"{serving}/{wanted} groups serving")
+            whys = [f"group {g}: {why}" for g, why in sorted(not_serving.items())]
+            more = f"; and {len(whys) - MAX_REASONS} more" if len(whys) > MAX_REASONS else ""
+            ready = Desired(READY, "False", "GroupsNotServing",
+                            f"{serving}/{wanted} groups serving; " + "; ".join(whys[:MAX_REASONS]) + more)
         unreachable = sorted({p.node for p in placed.values() if p.node in view.unreachable})
         if rejected:
             degraded = Desired(DEGRADED, "True", "Rejected",

@@ -28,11 +28,16 @@ DaemonSet, the conditions on the WeightCache).
 Finalizer: the only one is kopf's own (``weightcache.io/operator``), which kopf puts
 on every object that has a timer so that it can stop the object's timer before the
 object goes; without it a timer would outlive its object (kopf stops timers only
-on a deletion timestamp) and keep polling and re-creating children. There is no
-deletion handler: the DaemonSet and ConfigMap go through owner-reference garbage
-collection. Consequence: while no operator runs, deleting a WeightCache waits for
-the operator to come back (or for someone to remove the finalizer); the chart's
-notes say to delete WeightCaches before uninstalling the operator.
+on a deletion timestamp) and keep polling and re-creating children. It also holds the
+deletion of a WeightCache that an EngineSet still names in ``spec.cacheRef``, as
+Kubernetes holds a PersistentVolumeClaim a pod uses: the deletion handler finds the
+EngineSets, posts a Warning Event ``InUse`` naming them and retries until none is left
+(deleting the EngineSets, or pointing them elsewhere, lets it go). Otherwise the agents
+would go while the EngineSet's pods keep routing to engines whose agent is gone. The
+DaemonSet and ConfigMap go through owner-reference garbage collection. Consequence:
+while no operator runs, deleting a WeightCache waits for the operator to come back (or
+for someone to remove the finalizer); the chart's notes say to delete WeightCaches
+before uninstalling the operator.
 """
 from __future__ import annotations
 
@@ -343,6 +348,20 @@ def build_registry(
 
     register_level_based(registry, resource, reconciler.reconcile, config,
                          ("reconcile-resume", "reconcile-create", "reconcile-update", "poll"), KIND)
+
+    @kopf.on.delete(*resource, registry=registry, id="held-while-in-use")
+    async def held_while_in_use(body: kopf.Body, logger: Any, **_: Any) -> None:
+        meta = body.get("metadata") or {}
+        assert reconciler.api is not None
+        try:
+            users = await asyncio.to_thread(reconciler.api.enginesets_using, meta["namespace"], meta["name"])
+        except ApiException as e:
+            raise kopf.TemporaryError(f"cannot list EngineSets: API error {e.status}: {e.reason}", delay=5) from e
+        if users:
+            message = (f"deletion waits: EngineSet {', '.join(users[:5])} uses this WeightCache (spec.cacheRef); "
+                       "delete it, or point it at another cache, and the deletion goes on")
+            kopf.event(body, type="Warning", reason="InUse", message=message[:1024])
+            raise kopf.TemporaryError(message, delay=config.poll_interval)
     register_level_based(registry, (API_GROUP, API_VERSION, ENGINESET_PLURAL), engines.reconcile, config,
                          ("engineset-resume", "engineset-create", "engineset-update", "engineset-poll"),
                          ENGINESET_KIND)

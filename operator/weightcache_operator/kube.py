@@ -236,6 +236,20 @@ class KubeApi:
                 return None
             raise
 
+    def enginesets_using(self, namespace: str, cache: str) -> list[str]:
+        """Names of the EngineSets in `namespace` whose spec.cacheRef names `cache` and that are not
+        being deleted themselves; none where the EngineSet kind is not installed."""
+        try:
+            doc = self._json(self._custom.list_namespaced_custom_object(
+                API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, _preload_content=False))
+        except ApiException as e:
+            if e.status == 404:
+                return []
+            raise
+        return sorted(str((es.get("metadata") or {}).get("name")) for es in doc.get("items") or []
+                      if ((es.get("spec") or {}).get("cacheRef") or {}).get("name") == cache
+                      and not (es.get("metadata") or {}).get("deletionTimestamp"))
+
     def patch_engineset_status(self, namespace: str, name: str, status_patch: Mapping[str, Any]) -> dict[str, Any]:
         return self._json(self._custom.patch_namespaced_custom_object_status(
             API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"status": dict(status_patch)},

@@ -140,7 +140,9 @@ def select_devices(backend: str, spec: str, count: int | None = None) -> list[De
             elif item in by_uuid or f"GPU-{item}" in by_uuid:
                 chosen.append(by_uuid.get(item) or by_uuid[f"GPU-{item}"])
             else:
-                raise ValueError(f"device {item!r} is neither an ordinal below {len(available)} nor a visible GPU UUID")
+                visible = ", ".join(f"{d.ordinal} ({d.uuid})" for d in available) or "none"
+                raise ValueError(f"device {item!r} is neither an ordinal below {len(available)} nor a visible GPU "
+                                 f"UUID; the GPUs here: {visible}")
     if count is not None and len(chosen) < count:
         raise ValueError(f"{count} ranks need {count} GPUs on this node, only {len(chosen)} selected")
     return chosen[:count] if count is not None else chosen

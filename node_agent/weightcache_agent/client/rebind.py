@@ -216,7 +216,7 @@ def _rebind(module: nn.Module, tensors: dict[str, torch.Tensor], strict: bool,
     # Where the cache named every declared place, nothing can stay on meta: skip the search
     # (it runs where a table holds None, e.g. nn.Linear(bias=False), or a tie is named once).
     if covered != places:
-        problems += _left_on_meta(tables, seen)
+        problems += _left_on_meta(modules, tables, seen)
     if problems:
         shown = "; ".join(problems[:_MAX_LISTED])
         more = f" (and {len(problems) - _MAX_LISTED} more)" if len(problems) > _MAX_LISTED else ""
@@ -253,15 +253,28 @@ def _walk(module: nn.Module) -> tuple[dict[str, nn.Module], list[tuple[str, dict
     return modules, tables, places
 
 
-def _left_on_meta(tables: list[tuple[str, dict]], bound: set[int]) -> list[str]:
-    """A meta tensor no cache tensor was aimed at, named once even where it is tied."""
+COMPUTED_HINT = ("non-persistent buffers are computed by the model, never saved: attach with materialize= (a function "
+                 "that computes them, see weightcache_agent.client.materialize), or load a Hugging Face model with "
+                 "weightcache_agent.integrations.transformers.from_cache, which computes them as transformers does")
+
+
+def _left_on_meta(modules: dict[str, nn.Module], tables: list[tuple[str, dict]], bound: set[int]) -> list[str]:
+    """A meta tensor no cache tensor was aimed at, named once even where it is tied; a non-persistent
+    buffer (one no checkpoint holds, e.g. RoPE's inv_freq) said to be one, with how to fill it."""
     named: set[int] = set()
-    problems = []
+    problems, computed = [], False
     for dot, table in tables:
+        owner = modules[dot[:-1]]
         for leaf, tensor in table.items():
             if tensor is not None and tensor.is_meta and id(tensor) not in bound and id(tensor) not in named:
                 named.add(id(tensor))
-                problems.append(f"{dot}{leaf}: still on the meta device (not in the cache)")
+                if table is owner._buffers and leaf in owner._non_persistent_buffers_set:
+                    computed = True
+                    problems.append(f"{dot}{leaf}: still on the meta device (a non-persistent buffer)")
+                else:
+                    problems.append(f"{dot}{leaf}: still on the meta device (not in the cache)")
+    if computed:  # the fix goes first: the list after it may be cut short
+        problems.insert(0, COMPUTED_HINT)
     return problems
 
 

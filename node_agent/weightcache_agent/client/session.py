@@ -296,8 +296,8 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         The attachment's `computed` and `cast` name what was filled and what was cast.
 
     Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
-    `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode` or a socket that
-    neither the argument nor the environment gives.
+    `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode`, a standby without a
+    group, or a socket that neither the argument nor the environment gives.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -319,6 +319,9 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
     socket = socket or socket_from_env(spec.tp_rank)
     role = role or os.environ.get(ENV_ROLE) or "primary"
     group = group or os.environ.get(ENV_GROUP) or None
+    if role == "standby" and group is None:
+        raise ValueError(f"role 'standby' needs a group (argument or ${ENV_GROUP}): a standby takes over only from "
+                         "the primary of its group")
     try:
         if mode == "daemon":
             conn = _connect_or_start(socket, spec, timeout)

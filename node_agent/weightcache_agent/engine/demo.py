@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from ..errors import WeightCacheError
-from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
+from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse, torch_problem
 
 log = logging.getLogger("weightcache.demo")
 
@@ -91,12 +91,14 @@ class Console:
         self.say("      " + text)
 
     @contextlib.contextmanager
-    def waiting(self, what: str | Callable[[], str]) -> Iterator[None]:
-        """While the block runs, say every few seconds what it is waiting for: a demo is never silent for long."""
-        if self.quiet or self.heartbeat <= 0:
-            yield
-            return
+    def waiting(self, what: str | Callable[[], str]) -> Iterator[float]:
+        """While the block runs, say every few seconds what it is waiting for: a demo is never silent for long.
+
+        Yields when the block started (perf_counter): a duration reported after it is on the ticker's clock."""
         stop, started = threading.Event(), time.perf_counter()
+        if self.quiet or self.heartbeat <= 0:
+            yield started
+            return
 
         def beat() -> None:
             while not stop.wait(self.heartbeat):
@@ -107,7 +109,7 @@ class Console:
         thread = threading.Thread(target=beat, name="heartbeat", daemon=True)
         thread.start()
         try:
-            yield
+            yield started
         finally:
             stop.set()
             thread.join()
@@ -151,15 +153,15 @@ def ensure_checkpoint(cache_dir: str, size: str, console: Console) -> tuple[str,
     staging = tempfile.mkdtemp(prefix=f".llama-{size}-", dir=cache_dir)
     try:
         console.detail(f"creating the demo checkpoint once (deterministic random weights) in {target}")
-        started = time.perf_counter()
-        write_llama_checkpoint(staging, shape, seed=0, shards=2)
-        with open(os.path.join(staging, ".weightcache-demo.json"), "w") as f:
-            json.dump(identity, f)
-        if os.path.exists(target):  # a stale or different version: replace it
-            import shutil
+        with console.waiting("writing the checkpoint") as started:
+            write_llama_checkpoint(staging, shape, seed=0, shards=2)
+            with open(os.path.join(staging, ".weightcache-demo.json"), "w") as f:
+                json.dump(identity, f)
+            if os.path.exists(target):  # a stale or different version: replace it
+                import shutil
 
-            shutil.rmtree(target)
-        os.rename(staging, target)
+                shutil.rmtree(target)
+            os.rename(staging, target)
         console.detail(f"written in {fmt_seconds(time.perf_counter() - started)}")
     except BaseException:
         import shutil
@@ -234,9 +236,9 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     with console.waiting("importing torch"):
         preflight(args)
         from ..serve.process_group import ProcessGroup
+        from ..testing import synthetic  # noqa: F401  torch, for the checkpoint: imported under this ticker
     console.step(1, steps, "checkpoint")
-    with console.waiting("writing the checkpoint"):
-        model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)
+    model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)  # says when it writes
     from ..load.checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(model_dir)
@@ -244,7 +246,7 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     with open(os.path.join(model_dir, "config.json")) as f:
         config = json.load(f)
     prompt = [t for t in PROMPT if t < config["vocab_size"]]
-    console.detail(f"{model_dir}{'' if created else '  (cached)'}")
+    console.detail(f"{model_dir}{'' if created else '  (cached: written by an earlier run, reused)'}")
     console.detail(f"Llama, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
                    f"{fmt_bytes(nbytes)} of bf16 in {len(checkpoint.tensors)} tensors")
 
@@ -436,6 +438,9 @@ def writable_dir_problem(flag: str, path: str) -> str | None:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    problem = torch_problem("the demo (its engines and its checkpoint writer)")
+    if problem:  # before any directory is made
+        return refuse("weightcache demo", problem, EXIT_FAILED)
     for flag, path in (("--dir", args.dir or default_cache_dir()), ("--run-dir", args.run_dir)):
         problem = path and writable_dir_problem(flag, path)
         if problem:

@@ -19,7 +19,7 @@ from ..errors import WeightCacheError
 from ..logs import configure
 from ..serve.agent_main import add_quantization_flag, model_problem, preflight
 from ..spec import DTYPE_CHOICES
-from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser, refuse
+from ..usage import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, EXIT_FAILED, parser as usage_parser, refuse, torch_problem
 
 log = logging.getLogger("weightcache.engine")
 
@@ -27,9 +27,11 @@ log = logging.getLogger("weightcache.engine")
 def build_parser() -> argparse.ArgumentParser:
     p = usage_parser(
         "weightcache engine", "Reference engine that attaches its weights from a weightcache agent: its own "
-        "Llama/Qwen2/Mistral decoder, any other causal LM through transformers.",
+        "Llama/Qwen2/Mistral decoder, any other causal LM through transformers. POST /generate takes and returns "
+        "token ids (it has no tokenizer).",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
-                  "curl -s localhost:8000/generate -d '{\"prompt\": \"Hello\", \"max_tokens\": 16}'"],
+                  "curl -s localhost:8000/generate -d '{\"tokens\": [1, 450, 4996], \"max_tokens\": 16}'  "
+                  "# token ids in and out: the reference engine has no tokenizer"],
         env={"WEIGHTCACHE_MODEL": "the checkpoint directory, when --model is not given (set in EngineSet pods)",
              "WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
@@ -80,12 +82,15 @@ def main(argv: list[str]) -> int:
     if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
                                    or os.environ.get("WEIGHTCACHE_SOCKET_DIR")):
         parser.error(f"--mode {args.mode} needs --socket (or $WEIGHTCACHE_SOCKET, or $WEIGHTCACHE_SOCKET_DIR)")
+    if args.role == "standby" and not args.group:
+        return refuse("weightcache engine", "--role standby needs --group (or $WEIGHTCACHE_GROUP): a standby takes "
+                      "over only from the primary of its group; start that primary with the same --group", EXIT_USAGE)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
     problem = preflight(args)
     if problem:
         return refuse("weightcache engine", problem, EXIT_USAGE)
-    problem = model_problem(args.model)
+    problem = model_problem(args.model) or torch_problem("the engine")
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
 

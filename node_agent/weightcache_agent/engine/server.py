@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..client.env import socket_from_env
 from ..client.session import Attachment, attach
-from ..protocol import parse_json
+from ..errors import WeightCacheError
+from ..protocol import agent_status, parse_json
 from ..load.checkpoint import open_checkpoint
 from ..load.dtypes import torch_dtype
 from ..load.fingerprint import resolved_dtype
@@ -109,8 +110,6 @@ def _prepare_device(socket: str | None) -> "torch.device | None":
     torch's import (`startup.begin`). An agent that does not answer is left to `attach` to
     report (or fall back from).
     """
-    from ..protocol import agent_status
-    from ..errors import WeightCacheError
     import torch
 
     from ..client.warmup import prepare
@@ -189,6 +188,8 @@ class Engine:
                      os.path.basename(os.path.abspath(opts.model)), self.attachment.source,
                      self.attachment.seconds * 1e3, len(self.attachment.tensors), self.attachment.bytes / 2**20,
                      self.role, opts.group, {k: round(v * 1e3, 2) for k, v in self.attachment.phases.items()})
+            if self.role == "standby" and self.attachment.source == "agent":
+                self._warn_without_primary()
             if opts.tp_size > 1:
                 if self._start is not None:
                     warm_local(model)
@@ -213,6 +214,18 @@ class Engine:
         except BaseException as e:
             self.state, self.error = "failed", str(e) or type(e).__name__
             raise
+
+    def _warn_without_primary(self) -> None:
+        """One line when this standby's group has no primary yet: engines may start in any order, but a
+        standby whose primary was started in no group (or another) would never be promoted."""
+        group, socket = self.options.group, self.options.socket or socket_from_env(self.options.tp_rank)
+        try:
+            clients = agent_status(socket)["clients"]
+        except (WeightCacheError, KeyError, TypeError):
+            return  # the attach itself worked: a status that does not is no reason to stop
+        if not any(c.get("role") == "primary" and c.get("group") == group for c in clients):
+            log.warning("standby of group %r: the group has no primary on %s yet; this engine is promoted only when "
+                        "a primary started with --group %s attaches and then goes", group, socket, group)
 
     def close(self) -> None:
         if self._start is not None:  # failed between the start of the collectives and the rank link
@@ -329,7 +342,9 @@ class Engine:
             raise BadRequest(f"body must be a JSON object, got {type(request).__name__}")
         unknown = sorted(set(request) - {"tokens", "max_tokens"})
         if unknown:
-            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'")
+            text = {"prompt", "text", "messages"} & set(unknown)
+            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; expected 'tokens' and 'max_tokens'"
+                             + (" (this engine has no tokenizer: send token ids)" if text else ""))
         assert self.model is not None
         tokens, vocab = request.get("tokens"), self.model.config.vocab_size
         if not isinstance(tokens, list):

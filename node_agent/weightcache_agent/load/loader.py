@@ -25,7 +25,7 @@ from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
 from .layout import LAYOUTS, ArenaLayout, lay_out
 from .pipeline import fill_arena
 from .plan import PlannedTensor
-from .progress import LoadProgress, gib, log_interval
+from .progress import LoadProgress, log_interval, size_text
 from ..quantization import check_quantization
 from .sharding import (SCALE_SUFFIX, Shard, ShardingPlan, check_heads, config_path, expert_index, expert_owner,
                        fused_parts, resolve_plan, split, whole)
@@ -169,7 +169,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
                    bytes_resident=layout.nbytes, tensors_resident=len(plan), quantization=spec.quantization,
                    log_every=0.0 if show_bar else log_interval(), what=_what(checkpoint, spec))
     log.info("loading %s: reading %d source tensors, %s -> %s", checkpoint.directory, progress.tensors_total,
-             gib(progress.bytes_total), progress.target())
+             size_text(progress.bytes_total), progress.target())
     try:
         if getattr(arena, "backend", "cpu") == "cuda":
             from .cuda_fill import fill_cuda_arena
@@ -198,7 +198,7 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
         progress.finish()  # also when the fill never started: the progress lines stop with the load
     loaded = loaded_from(prepared, arena, time.monotonic() - t0)
     log.info("loaded %s: read %d source tensors, %s -> %s in %.2fs (dtype %s)", checkpoint.directory,
-             progress.tensors_total, gib(progress.bytes_total), progress.target(), loaded.load_seconds,
+             progress.tensors_total, size_text(progress.bytes_total), progress.target(), loaded.load_seconds,
              resolved_dtype(spec, checkpoint))
     return loaded
 

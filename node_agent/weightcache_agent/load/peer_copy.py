@@ -27,6 +27,7 @@ from .. import protocol
 from ..errors import AgentUnavailable, WeightCacheError
 from ..spec import CacheSpec
 from .fingerprint import differences, engine_request
+from .progress import size_text
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class PeerArena:
         else:
             arena.copy_from(self.fds[0], size)
         seconds = time.monotonic() - t0
-        log.info("filled %.2f GiB from the replica at %s in %.1f ms (%.1f GB/s; waited %.2f s for it)", size / 2**30,
+        log.info("filled %s from the replica at %s in %.1f ms (%.1f GB/s; waited %.2f s for it)", size_text(size),
                  self.source, seconds * 1e3, size / max(seconds, 1e-9) / 1e9, self.wait_seconds)
         return {"source": self.source, "device": self.arena_info.get("device"), "bytes": size,
                 "copy_seconds": seconds, "wait_seconds": self.wait_seconds}

@@ -58,8 +58,13 @@ def log_interval(default: float = DEFAULT_INTERVAL) -> float:
     return float(raw) if raw else default
 
 
-def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def size_text(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number at least 1: a 3 MiB model is "3.2 MiB",
+    never "0.00 GiB" (two decimals from GiB up, where a hundredth still matters)."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if abs(n) >= 1024**power:
+            return f"{n / 1024**power:.{2 if power >= 3 else 1}f} {unit}"
+    return f"{int(n)} B"
 
 
 def _eta(seconds: float | None) -> str:
@@ -128,12 +133,13 @@ class LoadProgress:
     def target(self) -> str:
         """What the load ends as: '355 tensors, 1.15 GiB resident (fp8-block)'."""
         quant = f" ({self.quantization})" if self.quantization != "none" else ""
-        return f"{self.tensors_resident} tensors, {gib(self.bytes_resident)} resident{quant}"
+        return f"{self.tensors_resident} tensors, {size_text(self.bytes_resident)} resident{quant}"
 
     def line(self, what: str = "") -> str:
         """One progress line: read bytes, percentage, rate, ETA, source tensors, and the resident target."""
         p = self.to_json()
-        return (f"loading{' ' + what if what else ''}: read {gib(self.bytes_done)} of {gib(self.bytes_total)} "
+        return (f"loading{' ' + what if what else ''}: read {size_text(self.bytes_done)} of "
+                f"{size_text(self.bytes_total)} "
                 f"({p['fraction']:.0%}), {_rate(p['bytes_per_second'])}, "
                 f"ETA {_eta(p['eta_seconds'])}, {self.tensors_done}/{self.tensors_total} source "
                 f"tensors -> {self.target()}")

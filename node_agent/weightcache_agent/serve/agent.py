@@ -1194,11 +1194,18 @@ class Agent:
                 lease.role == "primary" and lease.group == group for lease in self._leases.values())
             if role == "auto":
                 role = "standby" if has_primary else "primary"
-            refusal = self._admission(uid, pid, group)
+            if role == "standby" and group is None:  # no primary's departure could ever promote it
+                refusal = protocol.error_message("standby_without_group", "a standby needs a group: name the group "
+                                                 "whose primary it takes over from")
+            else:
+                refusal = self._admission(uid, pid, group)
             if refusal is None and role == "primary" and has_primary:
                 refusal = protocol.error_message("primary_exists",
                                                  f"group {group!r} already has a primary; attach as a standby")
             if refusal is None:
+                if role == "standby" and not has_primary:  # engines start in any order: said, not refused
+                    log.warning("standby pid=%s joined group %r, which has no primary on this agent yet: it is "
+                                "promoted only when a primary of that group attaches and then goes", pid, group)
                 lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod, verified=verified)
                 self._leases[lease.id] = lease
                 self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up

@@ -24,7 +24,8 @@ from ..logs import configure
 from .integrity import SCRUB_INTERVAL
 from ..quantization import ALLOWED, quantization_arg
 from ..spec import DTYPE_CHOICES, LAYOUT_CHOICES, CacheSpec
-from ..usage import EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser as usage_parser, refuse
+from ..usage import (EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TORCH_INSTALL,
+                     parser as usage_parser, refuse)
 
 if TYPE_CHECKING:  # devices is imported where a backend is chosen, after the flags are checked
     from ..arena.devices import Device
@@ -46,7 +47,12 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
              "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
              "NODE_NAME": "default of --node-name (node mode); a pod token of another node is refused",
-             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)"},
+             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)",
+             "WEIGHTCACHE_READERS": "reader threads of a cold load (default 2: more only interleave the disk's stream)",
+             "WEIGHTCACHE_MEMORY_LIMIT": "most host memory a cpu arena may take, e.g. 64Gi (default: what the host "
+                                         "and its cgroup have available)",
+             "WEIGHTCACHE_PROGRESS_INTERVAL": "seconds between progress log lines without a terminal (default 5; 0: "
+                                              "none)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     where = p.add_mutually_exclusive_group(required=True)
@@ -67,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "$WEIGHTCACHE_CONTROL_TOKEN_FILE; without one, switchover is only on the sockets)")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
-    p.add_argument("--device", default="0", help="GPU ordinal or UUID (cuda backend)")
+    p.add_argument("--device", default=None, help="GPU ordinal (0, or cuda:0) or UUID (cuda backend; default: 0)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="dtype of the served weights (auto: the checkpoint's)")
     add_quantization_flag(p)
@@ -158,6 +164,10 @@ def model_problem(path: str) -> str | None:
         return f"model directory not found: {path}: pass the checkpoint directory (*.safetensors + config.json) with --model"
     if not os.path.isdir(path):
         return f"--model {path} is a file, not a directory: pass the directory that holds it"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return (f"no config.json in {path}: a checkpoint needs the model's config.json beside its *.safetensors "
+                "(engines build the model from it, the agent checks shapes and shards by it); copy it from where the "
+                "weights came from")
     return None
 
 
@@ -172,14 +182,14 @@ def main(argv: list[str]) -> int:
     problem = preflight(args)
     if problem:
         return refuse(PROG, problem, EXIT_USAGE)
+    problem = model_problem(args.model)
+    if problem:  # a node agent's workers would each refuse it alike
+        return refuse(PROG, problem, EXIT_FAILED)
     if args.socket_dir is not None:
         raise_priority(args.nice)
         from .supervisor import run_node
 
         return run_node(args, parser)
-    problem = model_problem(args.model)
-    if problem:
-        return refuse(PROG, problem, EXIT_FAILED)
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
@@ -270,6 +280,9 @@ def _serve(args: argparse.Namespace, spec: CacheSpec, read_ahead: "Prefetch | No
     agent.close()
     if failure:
         e = failure[0]
+        if isinstance(e, ModuleNotFoundError) and e.name == "torch":  # a load that casts or quantizes on the CPU
+            return refuse(PROG, f"load failed: this load casts or quantizes, which needs torch, not installed here: "
+                                f"{TORCH_INSTALL}", EXIT_FAILED)
         return refuse(PROG, str(e) if isinstance(e, WeightCacheError) else
                       f"load failed: {type(e).__name__}: {e}", EXIT_FAILED)
     if stop.signal == signal.SIGINT:
@@ -321,5 +334,13 @@ def _device(args: argparse.Namespace) -> "Device":
 
     backend = resolve_backend(args.backend)
     if backend == "cpu":
+        if args.device is not None:  # a GPU named where none is used: refused, never served from memory instead
+            where = ("--backend cpu uses none" if args.backend == "cpu" else
+                     "this machine shows no GPU (the cuda backend needs a visible GPU and cuda-bindings), so the "
+                     "cpu backend is what is available")
+            raise ValueError(f"--device {args.device} names a GPU, but {where}: leave --device out")
         return Device("cpu", f"cpu-{args.tp_rank}", args.tp_rank)
-    return select_devices("cuda", args.device)[0]
+    device = args.device or "0"
+    if device.startswith("cuda:"):  # torch's spelling of an ordinal
+        device = device[len("cuda:"):]
+    return select_devices("cuda", device)[0]

@@ -8,8 +8,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import stat
 import sys
 
+from ..load.progress import size_text
 from ..protocol import agent_request, agent_status
 from ..errors import WeightCacheError
 from ..usage import EXIT_FAILED, EXIT_USAGE, parser as usage_parser, refuse
@@ -20,10 +22,12 @@ ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 def main(argv: list[str]) -> int:
     p = usage_parser("weightcache status", "Show an agent's cache and its clients.",
                      examples=["weightcache status --socket /run/weightcache/llama.sock",
+                               "weightcache status --socket /run/weightcache/default.llama.1a2b3c  # each GPU's",
                                "WEIGHTCACHE_SOCKET=/run/weightcache/llama.sock weightcache status --json"],
                      env={ENV_SOCKET: "the agent's socket, when --socket is not given"})
     p.add_argument("--socket", default=os.environ.get(ENV_SOCKET) or None,
-                   help=f"the agent's Unix socket (default: ${ENV_SOCKET})")
+                   help=f"the agent's Unix socket, or a node agent's socket directory: every socket in it "
+                        f"(default: ${ENV_SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--verify", action="store_true",
                    help="check the arena's bytes against the digest the agent made when it filled it, now "
@@ -33,18 +37,52 @@ def main(argv: list[str]) -> int:
         return refuse("weightcache status", f"which agent? pass --socket PATH or set ${ENV_SOCKET}", EXIT_USAGE)
     if args.verify:
         return _verify(args.socket, args.json)
+    directory = os.path.isdir(args.socket)
+    if directory:  # a node agent's --socket-dir: one socket per GPU
+        sockets = sockets_in(args.socket)
+        if not sockets:
+            return refuse("weightcache status", f"{args.socket} is a directory with no agent socket in it: pass "
+                                                "one socket with --socket (a node agent's are <dir>/<GPU-UUID>.sock)",
+                          EXIT_USAGE)
+    else:
+        sockets = [args.socket]
+    statuses, failures = [], []
+    for path in sockets:
+        try:
+            status = agent_status(path)
+        except WeightCacheError as e:
+            failures.append(f"{e} (is the agent running? start one with weightcache agent)")
+            continue
+        status.pop("type", None)
+        statuses.append(status)
+    for failure in failures:
+        refuse("weightcache status", failure)
+    if not statuses:
+        return EXIT_FAILED
     try:
-        status = agent_status(args.socket)
-    except WeightCacheError as e:
-        return refuse("weightcache status", f"{e} (is the agent running? start one with weightcache agent)",
-                      EXIT_FAILED)
-    status.pop("type", None)
-    if args.json:
-        json.dump(status, sys.stdout, indent=2)
-        print()
-        return 0
-    print(render(status))
-    return 0
+        if args.json:  # one socket: its document; a directory: a list of them
+            json.dump(statuses if directory else statuses[0], sys.stdout, indent=2)
+            print()
+        else:
+            print("\n\n".join(render(status) for status in statuses))
+        sys.stdout.flush()  # a reader that stopped early (`| head`) is met here, not at exit
+    except BrokenPipeError:
+        # The reader has what it wanted: no traceback, and stdout pointed at /dev/null so that
+        # the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return EXIT_FAILED if failures else 0
+
+
+def sockets_in(directory: str) -> list[str]:
+    """The Unix sockets directly in `directory`, by name (a node agent's, one per GPU)."""
+    found = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        try:
+            if entry.name.endswith(".sock") and stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode):
+                found.append(entry.path)
+        except OSError:
+            continue
+    return found
 
 
 def _verify(socket: str, as_json: bool) -> int:
@@ -56,7 +94,7 @@ def _verify(socket: str, as_json: bool) -> int:
         json.dump(result, sys.stdout, indent=2)
         print()
     elif result["ok"]:
-        print(f"verified {_size(result['bytes'])} in {result['seconds'] * 1e3:.1f} ms: the arena holds what the "
+        print(f"verified {size_text(result['bytes'])} in {result['seconds'] * 1e3:.1f} ms: the arena holds what the "
               "agent loaded")
     else:
         print("the arena's bytes differ from what the agent loaded: the agent stopped handing it out and is "
@@ -83,10 +121,10 @@ def render(status: dict) -> str:
     if status["phase"] == "loading" and progress["bytes_total"]:
         # read from disk (source tensors) is counted apart from what ends resident
         eta = progress.get("eta_seconds")
-        rows.append(("progress", f"{progress['fraction']:.0%}  read {_size(progress['bytes_done'])}/"
-                                 f"{_size(progress['bytes_total'])}, {progress['tensors_done']}/"
+        rows.append(("progress", f"{progress['fraction']:.0%}  read {size_text(progress['bytes_done'])}/"
+                                 f"{size_text(progress['bytes_total'])}, {progress['tensors_done']}/"
                                  f"{progress['tensors_total']} source tensors"
-                                 + (f"  {_size(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else "")))
+                                 + (f"  {size_text(progress['bytes_per_second'])}/s  ETA {eta:.0f}s" if eta else "")))
     if status.get("load_seconds") is not None:
         rows.append(("load time", f"{status['load_seconds']:.2f}s"))
     rows.append(("clients", str(len(status["clients"]))))
@@ -107,15 +145,7 @@ def _resident(status: dict) -> str:
     if status["phase"] in ("starting", "preparing", "adopting", "loading"):
         if not progress.get("tensors_resident"):  # the plan is not known yet
             return "-"
-        text = f"{_size(progress['bytes_resident'])} in {progress['tensors_resident']} tensors, once loaded"
+        text = f"{size_text(progress['bytes_resident'])} in {progress['tensors_resident']} tensors, once loaded"
     else:
-        text = f"{_size(status['bytes'])} in {status['tensors']} tensors"
+        text = f"{size_text(status['bytes'])} in {status['tensors']} tensors"
     return text if quant == "none" else f"{text} ({quant})"
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
