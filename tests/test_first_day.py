@@ -387,9 +387,9 @@ def test_the_files_a_cleanly_stopped_agent_leaves_are_the_ones_install_md_names(
         pass
     assert served.proc.returncode == EXIT_OK
     left = sorted(os.listdir(run_dir))
-    assert left == [".a.sock.lock", ".a.sock.prepared"], left
+    assert left == [".a.sock.digest", ".a.sock.lock", ".a.sock.prepared"], left
     install = (ROOT / "docs" / "install.md").read_text()
     paragraph = next(p for p in install.split("\n\n") if "on SIGTERM or Ctrl-C" in p)
     named = set(re.findall(r"`\.NAME(\.sock\.\w+)`", paragraph.split("After a SIGKILL")[0]))
-    assert named == {".sock.state", ".sock.lock", ".sock.prepared"}
+    assert named == {".sock.state", ".sock.lock", ".sock.prepared", ".sock.digest"}
     assert {f".a{suffix}" for suffix in named} - set(left) == {".a.sock.state"}  # the one said to be removed
