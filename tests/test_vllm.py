@@ -10,17 +10,20 @@ default loader and from the cache, and the greedy tokens must be the same:
 - in-process engine: Llama bf16 and Qwen2 fp32 and bf16, a mismatching agent (fallback: one
   WARNING, served from disk), no agent with fallback off (one ERROR line naming the reason);
 - vLLM's multi-process engine with TP=2 (gloo): Qwen2, each worker on its own rank's agent;
-- vLLM's OpenAI server with TP=2: Llama, `/v1/completions`.
+- the README's commands as written (an agent, vLLM's OpenAI server): `/v1/completions`.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -29,6 +32,7 @@ from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_l
 
 VLLM_PYTHON = os.environ.get("WEIGHTCACHE_VLLM_PYTHON")
 DRIVER = os.path.join(os.path.dirname(__file__), "vllm_driver.py")
+ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [[1, 5, 9, 33, 100], [7, 7, 7]]
 ATTACHED = re.compile(r"weightcache: (\S+) rank (\d+)/(\d+) attached from \S+ in [\d.]+s: ([\d.]+ \w+|\d+ B) in arena "
                       r"views, ([\d.]+ \w+|\d+ B) copied")
@@ -40,7 +44,9 @@ pytestmark = [pytest.mark.timeout(1200), pytest.mark.skipif(not VLLM_PYTHON and 
 def vllm_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
-    env.pop("PYTHONPATH", None)  # vLLM's environment has its own weightcache
+    # vLLM's environment has its own weightcache; and vLLM runs outside the checkout, whose build
+    # metadata (weightcache.egg-info) would otherwise stand in for the installed package's entry points
+    env.pop("PYTHONPATH", None)
     env.update(extra)
     return env
 
@@ -48,7 +54,7 @@ def vllm_env(**extra: str) -> dict[str, str]:
 def drive(runs: list[dict], **env: str) -> tuple[list[dict], str]:
     assert VLLM_PYTHON, "CI must provide $WEIGHTCACHE_VLLM_PYTHON (tests/vllm_venv.sh)"
     proc = subprocess.run([VLLM_PYTHON, DRIVER, json.dumps(runs)], capture_output=True, text=True, timeout=900,
-                          env=vllm_env(**env))
+                          env=vllm_env(**env), cwd=os.path.dirname(DRIVER))
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == len(runs), f"vLLM driver failed ({proc.returncode}):\n" \
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -79,13 +85,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def agents(models, tmp_path_factory):
-    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32 and bf16, and Llama and Qwen2 at TP=2 (one per rank)."""
+    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32 and bf16, and Qwen2 at TP=2 (one per rank)."""
     sockets = tmp_path_factory.mktemp("vllm-sockets")
     specs = {
         "llama": (models["llama"], []),
         "qwen2-fp32": (models["qwen2"], ["--dtype", "float32"]),
         "qwen2": (models["qwen2"], []),
-        **{f"{m}-r{r}": (models[m], ["--tp-size", "2", "--tp-rank", str(r)]) for m in ("llama", "qwen2") for r in (0, 1)},
+        **{f"qwen2-r{r}": (models["qwen2"], ["--tp-size", "2", "--tp-rank", str(r)]) for r in (0, 1)},
     }
     procs = {name: AgentProcess(model, str(sockets / f"{name}.sock"), "--layout", "vllm", *extra)
              for name, (model, extra) in specs.items()}
@@ -159,23 +165,33 @@ def test_tensor_parallel_workers_attach_their_own_ranks_and_match_tp1(models, ag
                                                                                                  (1, 2, "0 B")]
 
 
-def test_the_openai_server_answers_completions_from_the_cache(models, agents, in_process, tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    template = agents["llama"].replace("llama.sock", "llama-r{rank}.sock")
+def readme_vllm_commands(model: str, socket_path: str) -> list[list[str]]:
+    """The README's 'Serving with vLLM' commands as written, with its model and socket paths swapped
+    for the test's (and `python`, `weightcache` for the environments' own)."""
+    section = (ROOT / "README.md").read_text().split("## Serving with vLLM", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
+    commands = []
+    for line in block.strip().splitlines():
+        line = line.replace("/models/qwen", model).replace("/run/weightcache/qwen.sock", socket_path)
+        argv = shlex.split(line.rstrip(" &"))
+        argv[0] = {"python": VLLM_PYTHON, "weightcache": os.path.join(os.path.dirname(sys.executable), "weightcache")}[argv[0]]
+        commands.append(argv)
+    return commands
+
+
+def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models, in_process, tmp_path):
+    agent_cmd, vllm_cmd = readme_vllm_commands(models["qwen2"], str(tmp_path / "qwen.sock"))
+    with socket.socket() as s:  # the README's server listens on vLLM's default port
+        assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's vLLM server needs it"
     log_path = tmp_path / "server.log"
+    agent = subprocess.Popen(agent_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = vllm_env()
+    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # one engine, vLLM's own thread binding
     with open(log_path, "w") as log_file:
-        server = subprocess.Popen(
-            [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", models["llama"],
-             "--load-format", "weightcache", "--model-loader-extra-config", json.dumps({"socket": template}),
-             "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp", "--dtype", "bfloat16",
-             "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", str(32 << 20),
-             "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log_file, stderr=subprocess.STDOUT, env=vllm_env())
+        server = subprocess.Popen(vllm_cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 600
+        base = "http://127.0.0.1:8000"
+        deadline = time.monotonic() + 900
         while True:
             assert server.poll() is None, f"vLLM's server exited: {_causes(log_path.read_text())}"
             try:
@@ -186,17 +202,18 @@ def test_the_openai_server_answers_completions_from_the_cache(models, agents, in
                 pass
             assert time.monotonic() < deadline, f"vLLM's server not up: {_causes(log_path.read_text())}"
             time.sleep(1)
-        body = json.dumps({"model": models["llama"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+        body = json.dumps({"model": models["qwen2"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
         request = urllib.request.Request(base + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as r:
             answer = json.load(r)
-        assert answer["choices"][0]["text"] == in_process[0]["llama default"]["text"][0]
+        assert answer["choices"][0]["text"] == in_process[0]["qwen2 default"]["text"][0]
         lines = attached_lines(log_path.read_text())
-        assert sorted((rank, size, copies) for _, rank, size, _, copies in lines) == [(0, 2, "0 B"), (1, 2, "0 B")]
+        assert [(rank, size, copies) for _, rank, size, _, copies in lines] == [(0, 1, "0 B")], lines
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        for proc in (server, agent):
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,7 +50,9 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 
 from ..client.materialize import Materialize, Pending
 from ..client.session import Attachment, attach
-from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
+from ..client.warmup import prepare
+from ..client.env import socket_from_env
+from ..errors import AttachError, WeightCacheError
 from ..load.layout import LAYOUTS
 from ..protocol import agent_status
 from ..spec import CacheSpec
@@ -65,8 +68,7 @@ class NotServable(Exception):
 
 
 # What a miss looks like: anything the agent or its answer can be, and models the cache cannot serve.
-MISSES = (AgentUnavailable, FingerprintMismatch, ProtocolError, AttachError, WeightCacheError, TimeoutError,
-          ConnectionError, EOFError, NotServable)
+MISSES = (WeightCacheError, TimeoutError, ConnectionError, EOFError, NotServable)
 
 
 class WeightcacheModelLoader(BaseModelLoader):
@@ -97,14 +99,20 @@ class WeightcacheModelLoader(BaseModelLoader):
         """The arena bytes this rank will map (vLLM sizes its KV cache without them); 0 on a miss."""
         if self.attachment is not None:
             return self.attachment.nbytes
+        rank = get_tensor_model_parallel_rank()
         try:
-            status = agent_status(self._socket(get_tensor_model_parallel_rank()))
-        except (WeightCacheError, OSError, ValueError):
+            status = agent_status(self._socket(rank))
+        except (WeightCacheError, OSError, NotServable):
             return 0
         return int(status.get("arena_bytes") or 0)
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
-        """A reload into an already built model copies from the cache (its parameters are the model's own)."""
+        """vLLM's in-place reload: from disk into a model the fallback loaded; refused for one bound to
+        the arena, whose weights are shared with other engines and read-only."""
+        if getattr(model, "_weightcache", None) is not None:
+            raise RuntimeError("weightcache: this model's weights are the agent's shared, read-only arena and cannot "
+                               "be reloaded in place; serve new weights through the agent (a new revision) and "
+                               "restart the engine")
         DefaultModelLoader(self._default_config()).load_weights(model, model_config)
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
@@ -116,7 +124,11 @@ class WeightcacheModelLoader(BaseModelLoader):
         try:
             spec = self._spec(vllm_config, model_config, rank)
             socket = self._socket(rank)
+            # the attach path's once-per-process costs and the arena's mapping, while vLLM builds the model
+            preparing = threading.Thread(target=_prepare, args=(socket, rank), name="weightcache-prepare", daemon=True)
+            preparing.start()
             model, device = self._build(vllm_config, model_config, prefix)
+            preparing.join()
             copier = _FusedCopies(model)
             self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
                                      materialize=copier.materialize)
@@ -132,7 +144,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         views, copies = _view_bytes(model, self.attachment)
         seconds = time.perf_counter() - started
         log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s)",
-                 os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket or "the environment",
+                 os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket,
                  seconds, _size(views), _size(copies), ", ".join(copier.copied) or "no copies")
         _metrics().record(source="agent", reason="", views=views, copies=copies)
         return model.eval()
@@ -152,8 +164,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         return CacheSpec(model=model_config.model, tp_size=get_tensor_model_parallel_world_size(), tp_rank=rank,
                          dtype=dtype, revision=self.revision, layout="vllm")
 
-    def _socket(self, rank: int) -> str | None:
-        return self.socket.replace("{rank}", str(rank)) if self.socket else None
+    def _socket(self, rank: int) -> str:
+        """This rank's agent socket: the option's, else the environment's (the operator injects it)."""
+        if self.socket:
+            return self.socket.replace("{rank}", str(rank))
+        try:
+            return socket_from_env(rank)
+        except ValueError as e:
+            raise NotServable(f"no agent named: pass --model-loader-extra-config '{{\"socket\": PATH}}' ({e})") from None
 
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> tuple[nn.Module, torch.device]:
         device_config = vllm_config.device_config
@@ -236,6 +254,13 @@ class _FusedCopies:
             current = model.get_submodule(module_name)._parameters[leaf]
             _swap(current, torch.cat([pending.claimed[n] for n in names]).to(pending.device))
             self.copied.append(place)
+
+
+def _prepare(socket: str | None, rank: int) -> None:
+    try:
+        prepare(socket=socket, rank=rank)
+    except Exception as e:  # noqa: BLE001 -- only a head start: the attach does the same work and reports
+        log.debug("weightcache: preparing the attach path failed (%s); the attach does it", e)
 
 
 def _keep_cpu_weights_unpacked(model: nn.Module, device: torch.device) -> None:
