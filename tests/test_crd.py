@@ -117,8 +117,9 @@ def test_schema_is_structural() -> None:
 
 def test_spec_paths_are_the_contract() -> None:
     props = SCHEMA["properties"]["spec"]["properties"]
-    assert set(props) == {"model", "parallelism", "quantization", "dtype", "sharding", "nodeSelector",
+    assert set(props) == {"model", "parallelism", "quantization", "dtype", "layout", "sharding", "nodeSelector",
                           "tolerations", "gpusPerNode", "agent"}
+    assert props["layout"]["enum"] == ["file", "vllm"]
     assert set(props["model"]["properties"]) == {"path", "pvc", "revision"}
     assert set(props["parallelism"]["properties"]) == {"tensor", "pipeline", "data", "expert"}
     assert set(props["agent"]["properties"]) == {"resources", "image"}
@@ -161,6 +162,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
         "parallelism": {"tensor": 1, "pipeline": 1, "data": 1, "expert": 1},
         "quantization": "none",
         "dtype": "auto",
+        "layout": "file",
     }
 
 

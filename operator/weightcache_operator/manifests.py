@@ -143,6 +143,8 @@ def agent_args(cs: CacheSpec, namespace: str, name: str) -> list[str]:
         args += ["--sharding", cs.sharding_preset]
     if cs.expert > 1:
         args.append("--expert-parallel")
+    if cs.layout != "file":
+        args += ["--layout", cs.layout]
     return args
 
 
