@@ -48,7 +48,7 @@ from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PL
 from . import owned_status
 from .agents import ask_agents
 from .conditions import DEGRADED, Desired, merge
-from .control import render_control_secret
+from .control import render_control_secret, status_token
 from .config import OperatorConfig
 from .engineset import EngineSetReconciler
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
@@ -265,7 +265,8 @@ class Reconciler(ObjectReconciler):
     async def _agents(self, namespace: str, name: str) -> tuple[list[Any], dict[str, Any]]:
         """The agent pods and what each answered to `/status`."""
         assert self.api is not None
-        _, pods, answers = await ask_agents(self.api, namespace, selector_labels(name), self.config.agent_http_timeout)
+        _, pods, answers = await ask_agents(self.api, namespace, selector_labels(name), self.config.agent_http_timeout,
+                                            status_token(self.config.control_key, namespace, name))
         return pods, answers
 
     @staticmethod
