@@ -217,6 +217,7 @@ class Reconciler(ObjectReconciler):
 
         try:
             cs = parse_spec(plain(body.get("spec") or {}))
+            self.config.agent_image_for(cs.agent_image)  # privileged: only an image the admin allows
         except SpecError as e:
             logger.warning(f"invalid spec, agents left unchanged: {e.message}")
             desired = spec_conditions(e.reason, e.message)

@@ -62,7 +62,7 @@ MAX_HEAD_BYTES = 16384  # request line and headers
 MAX_CONNECTIONS = 256  # connections still sending their request
 HANDLER_THREADS = 4
 MAX_QUEUED = 64  # whole requests waiting for a handler thread
-_CONTENT_LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,9})[ \t]*$", re.I | re.M)
+_CONTENT_LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,9})[ \t]*\r?$", re.I | re.M)
 MAX_NAME = 253  # a Kubernetes name; groups are "namespace/name"
 
 
