@@ -42,6 +42,7 @@ from k8s_lab import ApiClient, Lab, agent_identity, ns_path, pods_path
 from weightcache_agent.serve.serving_label import SERVING_LABEL, ServingLabelWriter
 
 ENGINESET = "chat"
+CACHE = "llama"  # the cache whose agent (a pod of its DaemonSet, `<cache>-agent-...`) promotes them
 PODS = ("chat-0-0", "chat-0-1")
 BAR_P99_S = 0.200
 GOAL_P99_S = 0.100
@@ -124,7 +125,8 @@ class Results:
 def pod(name: str, serving: bool) -> dict[str, Any]:
     return {"metadata": {"name": name, "labels": {
                 "app.kubernetes.io/managed-by": "weightcache-operator", "weightcache.io/engineset": ENGINESET,
-                "weightcache.io/group": "0", SERVING_LABEL: "true" if serving else "false"}},
+                "weightcache.io/group": "0", "weightcache.io/cache": CACHE,
+                SERVING_LABEL: "true" if serving else "false"}},
             "spec": {"nodeName": "node-1", "containers": [{
                 "name": "engine", "image": "engine:1", "ports": [{"name": "http", "containerPort": 8000}]}]}}
 
@@ -142,7 +144,7 @@ def measure(lab: Lab, trials: int = 50, *, warmup: int = 5, namespace: str | Non
                  "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
     uids = {name: api.create(pods_path(ns), pod(name, serving=(name == PODS[0])))["metadata"]["uid"]
             for name in PODS}
-    agent = agent_identity(lab, ns, "node-1")
+    agent = agent_identity(lab, ns, "node-1", name=f"{CACHE}-agent-x7k2p")
     writer = ServingLabelWriter(lab.server, token_path=agent.token_path, ca_path=lab.ca_path, timeout=5)
     as_agent = ApiClient(lab.server, lab.ca_path, token=agent.token)
     results = Results()

@@ -70,8 +70,11 @@ def library_name(build_key: str) -> str:
     return f"_bindtorch-{build_key}.so"
 
 
+RECORD_SUFFIX = ".sha256"  # beside the build: the SHA-256 of its bytes, recorded when it was built
+
+
 def record_name(build_key: str) -> str:
-    return library_name(build_key) + ".sha256"
+    return library_name(build_key) + RECORD_SUFFIX
 
 
 class Untrusted(Exception):
@@ -108,7 +111,7 @@ def verified(path: Path) -> int:
     directory pass the ownership checks and the bytes match the record; raises Untrusted."""
     try:
         _check_owner(os.stat(path.parent), path.parent, "directory")
-        record_fd, record = _read_trusted(path.with_name(path.name + ".sha256"), 128)
+        record_fd, record = _read_trusted(path.with_name(path.name + RECORD_SUFFIX), 128)
         os.close(record_fd)
         fd, data = _read_trusted(path, 1 << 30)
     except FileNotFoundError as e:
@@ -132,27 +135,28 @@ def _candidates(build_key: str) -> list[Path]:
     return found
 
 
-def find(build_key: str | None = None) -> Path | None:
-    """The build for the running torch (whose `key()` is `build_key`, where known), if one exists
-    and passes `verified()`."""
-    for path in _candidates(build_key or key()):
-        try:
-            os.close(verified(path))
-        except Untrusted:
-            continue
-        return path
-    return None
-
-
-def refusals(build_key: str | None = None) -> list[str]:
-    """Why each build of the running torch that exists is not loaded (empty when none is refused)."""
-    reasons = []
+def _scan(build_key: str | None) -> tuple[Path | None, list[str]]:
+    """(the first build of the running torch that passes `verified()`, why each one before it did not)."""
+    refused = []
     for path in _candidates(build_key or key()):
         try:
             os.close(verified(path))
         except Untrusted as e:
-            reasons.append(str(e))
-    return reasons
+            refused.append(str(e))
+            continue
+        return path, refused
+    return None, refused
+
+
+def find(build_key: str | None = None) -> Path | None:
+    """The build for the running torch (whose `key()` is `build_key`, where known), if one exists
+    and passes `verified()`."""
+    return _scan(build_key)[0]
+
+
+def refusals(build_key: str | None = None) -> list[str]:
+    """Why each build of the running torch found before a usable one is not loaded."""
+    return _scan(build_key)[1]
 
 
 def load(path: Path | None = None) -> object | None:

@@ -9,7 +9,10 @@
                   only with `Authorization: Bearer <control token>`, and only when a token is set
 
 Every handler reads the supervisor's last published document; none waits on a worker,
-so a probe answers in microseconds even while a rank is wedged.
+so a probe answers in microseconds even while a rank is wedged. Gauges are produced at
+scrape time from that document (a custom collector); the attach latency histogram is a
+real cumulative `Histogram` the supervisor feeds with each new attach it sees, so it
+survives worker restarts the way Prometheus expects counters to.
 
 Connections cost no thread until their request is whole: one thread accepts them and
 reads every request head (and a switchover's small body) with a selector, at most
@@ -23,10 +26,7 @@ Who sees what: `/status` lists each rank's leases. Where a control token is set,
 pods, groups and pids in them go only to a request that carries that token (the
 operator, which derives it); everyone else gets the same document with each lease
 reduced to its role. Without a token there is nobody to tell apart, and leases are
-shown whole. Gauges are produced at
-scrape time from that document (a custom collector); the attach latency histogram is a
-real cumulative `Histogram` the supervisor feeds with each new attach it sees, so it
-survives worker restarts the way Prometheus expects counters to.
+shown whole.
 """
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ class AgentHTTPServer:
             self._wake_w.send(b"x")
         for _ in range(HANDLER_THREADS):
             with contextlib.suppress(queue.Full):
-                self._requests.put_nowait(None)
+                self._requests.put(None, timeout=1.0)
         for t in self._threads:
             t.join(5.0)
         self._listener.close()
