@@ -92,6 +92,13 @@ def test_the_operator_may_not_touch_pods_it_does_not_own(k8s_chart: Lab, ns: str
                                       {"metadata": {"labels": {"app.kubernetes.io/managed-by": "helm"}}},
                                       content_type="application/merge-patch+json"), "may only UPDATE pods")
     assert as_operator.request("DELETE", pods_path(ns, "engine-0-0"), params={"gracePeriodSeconds": 0})[0] == 200
+    # Nor, with its label, a pod with the node's privileges: those are the agents' alone.
+    for name, change in (("priv", {"containers": [{"name": "c", "image": "app:1",
+                                                   "securityContext": {"privileged": True}}]}),
+                         ("hostnet", {"hostNetwork": True}), ("hostpid", {"hostPID": True})):
+        body = pod(name, OWNED)
+        body["spec"].update(change)
+        assert denied(as_operator.request("POST", pods_path(ns), body), "may not create privileged pods"), name
 
 
 def test_an_agent_daemonset_runs_only_the_admins_images(ns: str, as_operator: ApiClient) -> None:
