@@ -9,7 +9,8 @@ Service's EndpointSlice (watched, timestamps taken as events arrive) lists the s
 a ready endpoint.
 
 Side by side, in the same run, the two-write path: label the new primary AND unlabel the
-old one (what a design that allows only one labelled pod would need), timed until the
+old one (what a design that allows only one labelled pod would need; the unlabel is the
+operator's write, as the agents may only promote), timed until the
 EndpointSlice lists the new primary alone. Trials alternate: one-write trial (then the
 operator's unlabel of the old primary, untimed), two-write trial, with the pods' roles
 swapping each time.
@@ -42,6 +43,7 @@ from k8s_lab import ApiClient, Lab, agent_identity, ns_path, pods_path
 from weightcache_agent.serve.serving_label import SERVING_LABEL, ServingLabelWriter
 
 ENGINESET = "chat"
+CACHE = "llama"  # the cache whose agent (a pod of its DaemonSet, `<cache>-agent-...`) promotes them
 PODS = ("chat-0-0", "chat-0-1")
 BAR_P99_S = 0.200
 GOAL_P99_S = 0.100
@@ -124,7 +126,8 @@ class Results:
 def pod(name: str, serving: bool) -> dict[str, Any]:
     return {"metadata": {"name": name, "labels": {
                 "app.kubernetes.io/managed-by": "weightcache-operator", "weightcache.io/engineset": ENGINESET,
-                "weightcache.io/group": "0", SERVING_LABEL: "true" if serving else "false"}},
+                "weightcache.io/group": "0", "weightcache.io/cache": CACHE,
+                SERVING_LABEL: "true" if serving else "false"}},
             "spec": {"nodeName": "node-1", "containers": [{
                 "name": "engine", "image": "engine:1", "ports": [{"name": "http", "containerPort": 8000}]}]}}
 
@@ -142,16 +145,14 @@ def measure(lab: Lab, trials: int = 50, *, warmup: int = 5, namespace: str | Non
                  "ports": [{"name": "http", "port": 8000, "targetPort": "http"}]}})
     uids = {name: api.create(pods_path(ns), pod(name, serving=(name == PODS[0])))["metadata"]["uid"]
             for name in PODS}
-    agent = agent_identity(lab, ns, "node-1")
+    agent = agent_identity(lab, ns, "node-1", name=f"{CACHE}-agent-x7k2p")
     writer = ServingLabelWriter(lab.server, token_path=agent.token_path, ca_path=lab.ca_path, timeout=5)
-    as_agent = ApiClient(lab.server, lab.ca_path, token=agent.token)
     results = Results()
     with FakeKubelet(lab, ["node-1"], namespace=ns, label_selector=f"weightcache.io/engineset={ENGINESET}"), \
             _closing(SliceWatch(lab, ns, ENGINESET).start()) as watch:
         primary, standby = PODS
         watch.wait_until(lambda eps: eps == {primary}, since=0, timeout=30)
         writer.connect()
-        as_agent.request("GET", pods_path(ns, primary))  # open its connection too
 
         def unlabel(client: ApiClient, name: str) -> None:
             client.call("PATCH", pods_path(ns, name), {"metadata": {"labels": {SERVING_LABEL: "false"}}},
@@ -169,10 +170,11 @@ def measure(lab: Lab, trials: int = 50, *, warmup: int = 5, namespace: str | Non
             unlabel(api, primary)
             watch.wait_until(lambda eps, s=standby: eps == {s}, since=t1)
             primary, standby = standby, primary
-            # two writes: label the new primary, unlabel the old; until only the new one is listed
+            # two writes: label the new primary, unlabel the old (a write only the operator may
+            # make: the agents' policy admits promotions alone); until only the new one is listed
             t0 = time.perf_counter()
             writer.mark_serving(ns, standby, uids[standby])
-            unlabel(as_agent, primary)
+            unlabel(api, primary)
             results.two.append(watch.wait_until(lambda eps, s=standby: eps == {s}, since=t0) - t0)
             primary, standby = standby, primary
             if progress and i >= 0 and (i + 1) % 10 == 0:

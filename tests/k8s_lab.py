@@ -377,8 +377,11 @@ class Lab:
     # -- lifecycle ---------------------------------------------------------------------
 
     @classmethod
-    def start(cls, nodes: tuple[str, ...] = DEFAULT_NODES, *, lab_dir: Path | None = None) -> Lab:
-        reuse = os.environ.get("WEIGHTCACHE_K8S_LAB")
+    def start(cls, nodes: tuple[str, ...] = DEFAULT_NODES, *, lab_dir: Path | None = None,
+              settings: dict[str, str] | None = None) -> Lab:
+        """`settings`: the control-plane scripts' variables (RUNTIME_CONFIG, APISERVER_EXTRA_ARGS, ...),
+        for a cluster that lacks an API; such a lab is never a reused one."""
+        reuse = None if settings else os.environ.get("WEIGHTCACHE_K8S_LAB")
         if reuse:
             lab = cls(Path(reuse), owned=False)
         else:
@@ -389,7 +392,7 @@ class Lab:
             lab = cls(d, ports={"ETCD_PORT": etcd, "ETCD_PEER_PORT": peer, "APISERVER_PORT": api,
                                 "KCM_PORT": kcm, "SCHED_PORT": sched})
             atexit.register(lab.stop)
-            env = tool_env({**os.environ, **{k: str(v) for k, v in lab.ports.items()}})
+            env = tool_env({**os.environ, **(settings or {}), **{k: str(v) for k, v in lab.ports.items()}})
             proc = subprocess.run([str(SCRIPTS / "control-plane.sh"), str(d)], env=env, capture_output=True,
                                   text=True, timeout=300, check=False)
             if proc.returncode != 0:

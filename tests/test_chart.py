@@ -58,6 +58,9 @@ def test_values_schema_accepts_the_defaults() -> None:
     (("operator", "pollInterval"), 0),
     (("watchNamespaces",), ["Not_A_Namespace"]),
     (("agent", "typo"), 1),  # unknown keys are refused, not ignored
+    (("agent", "allowedImages"), ["a:1,b:2"]),  # one image per item (the operator reads a comma list)
+    (("agent", "allowedImages"), "registry.local/agent:dev"),
+    (("operatorPolicy", "enabled"), "yes"),
     (("operator", "resources"), {"limits": {"memory": "lots"}}),
 ])
 def test_values_schema_rejects_bad_values(path: tuple[str, ...], value: Any) -> None:
@@ -191,7 +194,9 @@ def test_helm_lint_passes(tmp_path: Path) -> None:
      "agent__imagePullSecrets": ["regcred"], "operator__imagePullSecrets": ["regcred"], "operator__verbose": True,
      "operator__tolerations": [{"key": "infra", "operator": "Exists"}], "serviceAccount__name": "wc-operator"},
     {"agentPolicy__enabled": False, "rbac__create": False},
-], ids=["namespaced", "unprivileged", "no-agent-policy"])
+    {"agent__allowedImages": ["registry.local/agent:dev", "ghcr.io/weightcache/agent:0.0.9"],
+     "operatorPolicy__enabled": False},
+], ids=["namespaced", "unprivileged", "no-agent-policy", "allowed-images-no-operator-policy"])
 def test_helm_lint_passes_for_other_values(tmp_path: Path, overrides: dict[str, Any]) -> None:
     result = lint(chart_copy(tmp_path, **overrides), tmp_path)
     assert problems(result) == [] and not result.get("Errors")

@@ -99,7 +99,8 @@ def test_dra_pod_carries_the_contract() -> None:
     assert meta["labels"] == {
         "app": "chat", "app.kubernetes.io/managed-by": "weightcache-operator", "weightcache.io/engineset": "chat",
         "weightcache.io/group": "1", "weightcache.io/serving": "false",  # the template cannot make a pod serve
-        "weightcache.io/template-hash": template_hash(engineset(), CACHE, CONFIG)}
+        "weightcache.io/template-hash": template_hash(engineset(), CACHE, CONFIG),
+        "weightcache.io/cache": "qwen"}  # whose agents may mark it serving (the admission policy)
     assert meta["annotations"] == {"team": "llm", "weightcache.io/node": "node-a",
                                    "weightcache.io/gpus": "GPU-a2,GPU-a3", "weightcache.io/model": "/models/qwen"}
     assert spec["nodeSelector"] == {"pool": "h200", "kubernetes.io/hostname": "node-a"}

@@ -1,10 +1,12 @@
 """The agent's one write and the admission policy that limits it, on a real API server.
 
 The chart is installed for real (its ClusterRole `weightcache-agent` and the
-ValidatingAdmissionPolicy `weightcache-agent-serving-label`); the agent is a pod on
-node-1 whose service account is `weightcache-agent`, with a token bound to that pod as
-the kubelet would mount it. The writer (`serve/serving_label.py`) then talks to the API
-server with nothing but that token file and the cluster CA.
+ValidatingAdmissionPolicy `weightcache-agent-serving-label`); the agent is a pod of cache
+`llama`'s DaemonSet (`llama-agent-<5 characters>`) on node-1 whose service account is
+`weightcache-agent`, with a token bound to that pod as the kubelet would mount it. The
+writer (`serve/serving_label.py`) then talks to the API server with nothing but that token
+file and the cluster CA. What it may do is a promotion and nothing more: mark an EngineSet
+pod of its own cache, on its own node, in its own namespace, serving.
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from k8s_lab import AGENT_SA, AgentIdentity, ApiClient, Lab, agent_identity, pod
 from weightcache_agent.serve.serving_label import SERVING_LABEL, ServingLabelError, ServingLabelWriter
 
 POLICY = "weightcache-agent-serving-label"
+CACHE = "llama"
+AGENT_POD = f"{CACHE}-agent-x7k2p"  # as the DaemonSet controller names its pods
 
 
 @dataclass
@@ -36,10 +40,12 @@ class Scene:
     uids: dict[str, str]
 
 
-def engine_pod(name: str, node: str, *, engineset: str | None = "chat") -> dict[str, Any]:
+def engine_pod(name: str, node: str, *, engineset: str | None = "chat", cache: str | None = CACHE) -> dict[str, Any]:
     labels = {"app.kubernetes.io/managed-by": "weightcache-operator"}
     if engineset:
         labels |= {"weightcache.io/engineset": engineset, "weightcache.io/group": "0", SERVING_LABEL: "false"}
+    if engineset and cache:
+        labels["weightcache.io/cache"] = cache
     return {"metadata": {"name": name, "labels": labels, "annotations": {"weightcache.io/node": node}},
             "spec": {"nodeName": node, "containers": [{"name": "engine", "image": "engine:1"}]}}
 
@@ -48,11 +54,13 @@ def engine_pod(name: str, node: str, *, engineset: str | None = "chat") -> dict[
 def scene(k8s_chart: Lab, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
     lab = k8s_chart
     ns = lab.namespace("policy")
-    agent = agent_identity(lab, ns, "node-1", token_dir=tmp_path_factory.mktemp("token"))
+    agent = agent_identity(lab, ns, "node-1", name=AGENT_POD, token_dir=tmp_path_factory.mktemp("token"))
     uids = {}
-    for name, node, es in (("chat-0-0", "node-1", "chat"), ("chat-1-0", "node-2", "chat"),
-                           ("plain", "node-1", None)):
-        uids[name] = lab.api.create(pods_path(ns), engine_pod(name, node, engineset=es))["metadata"]["uid"]
+    for name, node, es, cache in (("chat-0-0", "node-1", "chat", CACHE), ("chat-1-0", "node-2", "chat", CACHE),
+                                  ("plain", "node-1", None, None), ("qwen-0-0", "node-1", "qwen", "qwen"),
+                                  ("llama2-0-0", "node-1", "llama2", "llama2"),
+                                  ("nocache-0-0", "node-1", "nocache", None)):
+        uids[name] = lab.api.create(pods_path(ns), engine_pod(name, node, engineset=es, cache=cache))["metadata"]["uid"]
     writer = ServingLabelWriter(lab.server, token_path=agent.token_path, ca_path=lab.ca_path, timeout=5)
     as_agent = lab.client(agent.token)
     # A new policy takes effect once the API server has loaded it: wait for its first denial.
@@ -71,6 +79,9 @@ def labels_of(scene: Scene, name: str) -> dict[str, str]:
 
 def set_serving(scene: Scene, name: str, value: str) -> None:
     scene.lab.api.patch(pods_path(scene.ns, name), {"metadata": {"labels": {SERVING_LABEL: value}}})
+
+
+ONLY_PROMOTION = 'may only set the weightcache.io/serving label to "true" (a promotion), and change nothing else'
 
 
 def agent_patch(scene: Scene, name: str, patch: dict[str, Any]) -> tuple[int, Any]:
@@ -150,24 +161,67 @@ def test_promotion_hook_labels_the_pod_a_lease_names(scene: Scene, caplog: pytes
 
 
 def test_agent_is_denied_a_pod_outside_an_engineset(scene: Scene) -> None:
-    with pytest.raises(ServingLabelError, match="may only write pods of an EngineSet"):
+    with pytest.raises(ServingLabelError, match="may only write EngineSet pods of its own cache"):
         scene.writer.mark_serving(scene.ns, "plain", scene.uids["plain"])
     assert SERVING_LABEL not in labels_of(scene, "plain")
 
 
+@pytest.mark.parametrize("pod", ["qwen-0-0", "llama2-0-0", "nocache-0-0"],
+                         ids=["another-cache", "a-cache-whose-name-extends-ours", "no-cache-label"])
+def test_agent_is_denied_the_engines_of_another_cache_on_its_node(scene: Scene, pod: str) -> None:
+    """The namespace's agents share one ServiceAccount: the token's agent pod names the cache."""
+    with pytest.raises(ServingLabelError, match="may only write EngineSet pods of its own cache"):
+        scene.writer.mark_serving(scene.ns, pod, scene.uids[pod])
+    assert labels_of(scene, pod)[SERVING_LABEL] == "false"
+
+
+def test_agent_may_not_take_the_serving_label_away(scene: Scene) -> None:
+    """A promotion only ever adds a serving engine: "false" and removal are the operator's."""
+    set_serving(scene, "chat-0-0", "true")
+    for labels in ({SERVING_LABEL: "false"}, {SERVING_LABEL: None}):
+        status, body = agent_patch(scene, "chat-0-0", {"metadata": {"labels": labels}})
+        assert status == 403 and 'may only set the weightcache.io/serving label to "true"' in body["message"], body
+    assert labels_of(scene, "chat-0-0")[SERVING_LABEL] == "true"
+
+
+def test_agent_is_denied_pods_of_another_namespace_even_when_rbac_allows_it(scene: Scene) -> None:
+    lab = scene.lab
+    other = lab.namespace("policy-other")
+    try:
+        uid = lab.api.create(pods_path(other), engine_pod("chat-0-0", "node-1"))["metadata"]["uid"]
+        lab.api.call("POST", "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", {
+            "metadata": {"name": f"{scene.ns}-agent-everywhere"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_SA},
+            "subjects": [{"kind": "ServiceAccount", "name": AGENT_SA, "namespace": scene.ns}]}, ok=(409,))
+        try:
+            def attempt() -> tuple[int, Any]:
+                return scene.as_agent.request("PATCH", pods_path(other, "chat-0-0"),
+                                              {"metadata": {"uid": uid, "labels": {SERVING_LABEL: "true"}}},
+                                              content_type="application/merge-patch+json")
+            status, body = wait_for(lambda: (r := attempt())[0] != 403 or "cannot patch" not in r[1]["message"]
+                                    and r, timeout=15, what="the cluster-wide RBAC to apply")
+            assert status == 403 and "may only write pods of its own namespace" in body["message"], body
+            assert lab.api.get(pods_path(other, "chat-0-0"))["metadata"]["labels"][SERVING_LABEL] == "false"
+        finally:
+            lab.api.delete(f"/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/{scene.ns}-agent-everywhere")
+    finally:
+        lab.delete_namespace(other)
+
+
 @pytest.mark.parametrize("patch, denial", [
-    ({"metadata": {"labels": {"weightcache.io/group": "7"}}}, "only the weightcache.io/serving label"),
-    ({"metadata": {"labels": {"team": "x"}}}, "only the weightcache.io/serving label"),
-    ({"metadata": {"labels": {"weightcache.io/engineset": None}}}, "only the weightcache.io/serving label"),
-    ({"metadata": {"labels": {SERVING_LABEL: "maybe"}}}, "only the weightcache.io/serving label"),
-    ({"metadata": {"labels": {SERVING_LABEL: "true", "team": "x"}}}, "only the weightcache.io/serving label"),
+    ({"metadata": {"labels": {"weightcache.io/group": "7"}}}, ONLY_PROMOTION),
+    ({"metadata": {"labels": {"team": "x"}}}, ONLY_PROMOTION),
+    ({"metadata": {"labels": {"weightcache.io/engineset": None}}}, ONLY_PROMOTION),
+    ({"metadata": {"labels": {SERVING_LABEL: "maybe"}}}, ONLY_PROMOTION),
+    ({"metadata": {"labels": {SERVING_LABEL: "true", "team": "x"}}}, ONLY_PROMOTION),
+    ({"metadata": {"labels": {SERVING_LABEL: "true", "weightcache.io/cache": "qwen"}}}, ONLY_PROMOTION),
     ({"metadata": {"annotations": {"weightcache.io/gpus": "GPU-x"}}}, "annotations, finalizers, owners or spec"),
     ({"metadata": {"finalizers": ["example.com/hold"]}}, "annotations, finalizers, owners or spec"),
     ({"spec": {"activeDeadlineSeconds": 30}}, "annotations, finalizers, owners or spec"),
     ({"metadata": {"labels": {SERVING_LABEL: "true"}}, "spec": {"activeDeadlineSeconds": 30}},
      "annotations, finalizers, owners or spec"),
-], ids=["group-label", "new-label", "drop-engineset", "bad-value", "serving-plus-label", "annotation",
-        "finalizer", "spec", "serving-plus-spec"])
+], ids=["group-label", "new-label", "drop-engineset", "bad-value", "serving-plus-label", "serving-plus-cache",
+        "annotation", "finalizer", "spec", "serving-plus-spec"])
 def test_agent_may_change_nothing_but_the_serving_label(scene: Scene, patch: dict[str, Any], denial: str) -> None:
     before = scene.lab.api.get(pods_path(scene.ns, "chat-0-0"))
     status, body = agent_patch(scene, "chat-0-0", patch)

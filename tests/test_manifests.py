@@ -24,10 +24,11 @@ from weightcache_operator.manifests import (
     render_sharding_configmap,
     socket_dir,
 )
-from weightcache_operator.spec import parse_spec
+from weightcache_operator.spec import SpecError, parse_spec
 
 K8S_VERSIONS = ("1.28.0", kubernetes_validate.utils.latest_version())
-CONFIG = OperatorConfig()
+# The specs below name their own agent image: one the admin allows.
+CONFIG = OperatorConfig(agent_allowed_images=("registry.local/agent:dev",))
 
 RULES_SPEC: dict[str, Any] = {
     "model": {"pvc": "qwen-weights", "revision": "v1"},
@@ -189,6 +190,27 @@ def test_operator_settings_shape_the_pods() -> None:
     assert {v["name"]: v for v in ps["volumes"]}["models"]["hostPath"]["path"] == "/data/models"
 
 
+
+
+def test_a_weightcache_may_name_only_an_agent_image_the_admin_allows() -> None:
+    """Agents run privileged with host paths: a namespaced object never picks their image."""
+    cs = parse_spec(RULES_SPEC)  # names registry.local/agent:dev
+    with pytest.raises(SpecError) as refused:
+        render_daemonset(cs, "ml", "llama", OperatorConfig())
+    assert refused.value.reason == "AgentImageNotAllowed"
+    assert refused.value.message.startswith("agent.image 'registry.local/agent:dev' is not an image the cluster admin "
+                                            "allows for agents (allowed: ghcr.io/weightcache/agent:0.1.0;")
+    assert container(render_daemonset(cs, "ml", "llama", CONFIG))["image"] == "registry.local/agent:dev"
+    env = OperatorConfig.from_env({"WEIGHTCACHE_AGENT_ALLOWED_IMAGES": "a:1, registry.local/agent:dev",
+                                   "WEIGHTCACHE_AGENT_LABEL_PODS": "off"})
+    assert env.agent_allowed_images == ("a:1", "registry.local/agent:dev")
+    ds = render_daemonset(cs, "ml", "llama", env)
+    assert container(ds)["image"] == "registry.local/agent:dev"
+    # Where no admission policy bounds the agents' write, they do not label pods at all.
+    assert container(ds)["args"][-2:] == ["--label-pods", "off"]
+    assert "--label-pods" not in container(render_daemonset(cs, "ml", "llama", CONFIG))["args"]
+    with pytest.raises(ValueError, match="label-pods must be auto or off"):
+        OperatorConfig(agent_label_pods="on").checked()
 
 def test_agents_bind_the_pod_ip_and_take_the_socket_group() -> None:
     env = {e["name"]: e for e in container(render(LLAMA_SPEC, CONFIG))["env"]}

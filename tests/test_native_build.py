@@ -2,12 +2,17 @@
 against loads it; the command's answers and failures are one line each."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
 
+from security_fixtures import ATTACKER, AsAttacker, agent_dir, needs_root
 from weightcache_agent.client import native_build
 
 
@@ -53,3 +58,138 @@ def test_a_compiler_that_refuses_fails_in_one_line_and_leaves_nothing(tmp_path):
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.splitlines()[-1].startswith(f"weightcache build-native: {refusing} failed (exit 1): fatal error")
     assert list(into.iterdir()) == [], "no partial file left behind"
+
+
+# --- who may plant a build ----------------------------------------------------------------
+# Every input of KEY is public, so anyone who can write a place engines look in can name a
+# file `_bindtorch-KEY.so`. Its constructor would run as whoever imports it (root, in the
+# agent). Only a build owned by the importing user or root, in a directory nobody else may
+# write, whose bytes hash to the record made when it was built, is opened at all.
+
+PLANTED_C = """
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void planted(void) {
+    int fd = open("%s", O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) { write(fd, "ran\\n", 4); close(fd); }
+}
+"""
+
+
+def plant(tmp_path: Path, directory: Path, marker: Path) -> Path:
+    """A shared object whose constructor writes `marker`, under the running torch's build name."""
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_C % marker)
+    target = directory / native_build.library_name(native_build.key())
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(target), str(source)], check=True)
+    return target
+
+
+def record(so: Path) -> Path:
+    """The hash record an attacker would write for its own file."""
+    rec = so.with_name(so.name + ".sha256")
+    rec.write_text(hashlib.sha256(so.read_bytes()).hexdigest() + "\n")
+    return rec
+
+
+@needs_root
+def test_a_build_planted_by_another_user_never_runs_and_check_says_why(native_build_dir, tmp_path, monkeypatch):
+    # A directory the attacker owns (a shared cache, a volume it may write): it plants a build
+    # with a matching hash record, all files its own.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    marker = tmp_path / "constructor-ran"
+    planted = plant(tmp_path, shared, marker)
+    record(planted)
+    for path in (shared, planted, planted.with_name(planted.name + ".sha256")):
+        os.chown(path, ATTACKER, ATTACKER)
+    monkeypatch.setenv(native_build.ENV_DIR, str(shared))
+    assert native_build.find() is None
+    assert native_build.load() is None
+    check = run_cli("--check", env={native_build.ENV_DIR: str(shared)})
+    assert check.returncode == 1 and "Traceback" not in check.stderr
+    assert check.stderr.strip() == (f"weightcache build-native: refusing the build for torch {torch.__version__}: "
+                                    f"{shared}: directory owned by uid {ATTACKER}, not by uid 0 or root")
+    assert not marker.exists(), "the planted constructor ran"
+
+    # The attacker's own build in its own directory is its to load: a copy of the real build.
+    mine = Path(agent_dir()) / "mine"  # a path the other uid may traverse
+    mine.mkdir()
+    real = native_build_dir / native_build.library_name(native_build.key())
+    shutil.copy(real, mine / real.name)
+    shutil.copy(real.with_name(real.name + ".sha256"), mine / (real.name + ".sha256"))
+    for path in (mine, *mine.iterdir()):
+        os.chown(path, ATTACKER, ATTACKER)
+
+    def as_owner(_: dict) -> dict:
+        os.environ[native_build.ENV_DIR] = str(mine)
+        return {"found": str(native_build.find()), "loaded": native_build.load() is not None}
+
+    owner = AsAttacker(as_owner)
+    try:
+        assert owner.ask() == {"found": str(mine / real.name), "loaded": True}
+    finally:
+        owner.close()
+    monkeypatch.setenv(native_build.ENV_DIR, str(mine))
+    assert native_build.find() is None, "root does not load another user's build"
+
+
+@needs_root
+def test_a_build_is_refused_in_a_directory_others_may_write_or_when_its_bytes_changed(native_build_dir, tmp_path,
+                                                                                      monkeypatch):
+    real = native_build_dir / native_build.library_name(native_build.key())
+    place = tmp_path / "builds"
+    place.mkdir()
+    copy = place / real.name
+    shutil.copy(real, copy)
+    shutil.copy(real.with_name(real.name + ".sha256"), place / (real.name + ".sha256"))
+    monkeypatch.setenv(native_build.ENV_DIR, str(place))
+    assert native_build.find() == copy and native_build.load() is not None  # root's own, intact: loads
+
+    place.chmod(0o777)  # anyone could have swapped the file in
+    assert native_build.find() is None
+    assert native_build.refusals() == [f"{place}: directory writable by group or others (mode 0777)"]
+    place.chmod(0o755)
+    copy.chmod(0o666)
+    assert native_build.refusals() == [f"{copy}: file writable by group or others (mode 0666)"]
+    copy.chmod(0o755)
+
+    # Root's own file with other bytes (replaced after the build): the constructor never runs.
+    marker = tmp_path / "constructor-ran"
+    plant(tmp_path, place, marker)
+    assert native_build.refusals() == [f"{copy}: content does not match the hash recorded when it was built"]
+    assert native_build.load() is None and native_build.load(copy) is None
+    (place / (real.name + ".sha256")).unlink()
+    assert native_build.refusals() == [f"{place / (real.name + '.sha256')}: missing (rebuild with weightcache "
+                                       "build-native)"]
+    assert native_build.load() is None
+    assert not marker.exists(), "a build that failed a check was opened"
+
+
+@needs_root
+def test_an_unreadable_home_does_not_break_the_import(tmp_path):
+    """An engine of another uid whose $HOME it may not enter (or that has none) still imports the
+    client and binds without the native build."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+
+    def import_as_other(_: dict) -> dict:
+        import importlib
+
+        from weightcache_agent.client import rebind
+
+        os.environ.pop(native_build.ENV_DIR, None)
+        os.environ["HOME"] = str(home)
+        importlib.reload(rebind)  # what an engine's import does: looks for a build, here in $HOME too
+        found_with_home = native_build.find()
+        del os.environ["HOME"]
+        return {"with_home": str(found_with_home), "without_home": str(native_build.find()),
+                "loaded": native_build.load() is not None}
+
+    other = AsAttacker(import_as_other)
+    try:
+        answer = other.ask()
+    finally:
+        other.close()
+    # Nothing beside the package is this uid's or root's build for this key either way.
+    assert answer == {"with_home": "None", "without_home": "None", "loaded": False}

@@ -289,6 +289,58 @@ async def test_agent_failures_become_degraded_with_the_agents_reason(cluster: Ku
             await wait_for(lambda: condition(wc_of(kmock, "llama"), "Degraded")["reason"] == "AgentUnreachable")
 
 
+
+def with_integrity(doc: dict[str, Any], failures: int, tampered_rank: int | None = None) -> dict[str, Any]:
+    """The node status with rank 1's count of changed arenas (as the supervisor reports each rank's)."""
+    for r in doc["ranks"]:
+        r["integrityFailures"] = failures if r["rank"] == 1 else 0
+        r["integrity"] = "tampered" if r["rank"] == tampered_rank else "verified"
+    return doc
+
+
+async def test_an_arena_found_changed_is_a_warning_event_and_degraded_while_it_lasts(
+        cluster: KubeClient, kmock: Any) -> None:
+    with AgentServer(with_integrity(agent_status("node-a", "Ready"), 0)) as a, \
+            AgentServer(with_integrity(agent_status("node-b", "Ready"), 0)) as b:
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+            await wait_for(lambda: ds_of(kmock, "llama"))
+            await daemonset_controller(cluster, "llama", desired=2)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-b", b.port))
+            await wait_for(lambda: condition(wc_of(kmock, "llama"), "Ready")["status"] == "True", what="Ready")
+
+            def integrity_events() -> list[dict[str, Any]]:
+                """One per rise of a node's count (the condition's own transitions are Events too)."""
+                return [e for e in events_for(kmock, "llama") if e["reason"] == "ArenaIntegrity"
+                        and not e["message"].startswith("Degraded=")]
+            assert integrity_events() == []
+
+            # node-b's rank 1 finds its arena changed: refilling now.
+            b.doc = with_integrity(agent_status("node-b", "Ready"), 1, tampered_rank=1)
+            degraded = await wait_for(lambda: (d := condition(wc_of(kmock, "llama"), "Degraded"))["reason"] ==
+                                      "ArenaIntegrity" and d, what="Degraded for the changed arena")
+            assert degraded["status"] == "True"
+            assert degraded["message"].startswith("arena changed since it was filled on node-b (rank 1)")
+            (event,) = await wait_for(integrity_events, what="an ArenaIntegrity event")
+            assert event["type"] == "Warning"
+            assert event["message"].startswith("node node-b: the agent found 1 arena(s) changed since it filled them")
+            nodes = {n["node"]: n for n in wc_of(kmock, "llama")["status"]["nodes"]}
+            assert nodes["node-b"]["integrityFailures"] == 1 and "integrityFailures" not in nodes["node-a"]
+
+            # Refilled: no longer Degraded; the count stays, and polls that see it again add no Event.
+            b.doc = with_integrity(agent_status("node-b", "Ready"), 1)
+            await wait_for(lambda: condition(wc_of(kmock, "llama"), "Degraded")["status"] == "False",
+                           what="the refilled arena")
+            hits = b.hits
+            await wait_for(lambda: b.hits >= hits + 2, what="two more polls")
+            assert len(integrity_events()) == 1
+
+            # Changed again and replaced between two polls: still one more Event.
+            b.doc = with_integrity(agent_status("node-b", "Ready"), 2)
+            await wait_for(lambda: len(integrity_events()) == 2, what="the second ArenaIntegrity event")
+            assert condition(wc_of(kmock, "llama"), "Degraded")["status"] == "False"
+
 async def test_deletion_stops_polling_and_leaves_children_to_the_garbage_collector(cluster: KubeClient, kmock: Any) -> None:
     async with operator(kmock):
         await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))

@@ -55,8 +55,9 @@ def node(tmp_path_factory):
         port = int(open(port_file).read())
 
         def status() -> dict:
+            """What the operator reads: with the control token, the leases name their pods."""
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-            conn.request("GET", "/status")
+            conn.request("GET", "/status", headers={"Authorization": f"Bearer {TOKEN}"})
             body = json.loads(conn.getresponse().read())
             conn.close()
             return body

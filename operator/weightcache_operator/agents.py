@@ -68,9 +68,13 @@ def status_url(ip: str, port: int) -> str:
     return f"http://{host}:{port}/status"
 
 
-def fetch_agent_status(url: str, timeout: float) -> dict[str, Any]:
-    """GET an agent's ``/status`` and return the JSON object; raise AgentStatusError otherwise."""
-    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+def fetch_agent_status(url: str, timeout: float, token: str | None = None) -> dict[str, Any]:
+    """GET an agent's ``/status`` and return the JSON object; raise AgentStatusError otherwise.
+    With the cache's control ``token`` the leases name their pods (without it, roles only)."""
+    headers = {"Accept": "application/json"}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(url, headers=headers)
     try:
         with _OPENER.open(request, timeout=timeout) as response:
             body = response.read(MAX_STATUS_BYTES + 1)
@@ -157,7 +161,7 @@ def select_agent_pods(
 
 
 async def fetch_all(
-    pods: Iterable[AgentPod], timeout: float, concurrency: int = 16
+    pods: Iterable[AgentPod], timeout: float, concurrency: int = 16, token: str | None = None
 ) -> dict[str, dict[str, Any] | AgentStatusError]:
     """Ask every running agent pod for its status, at most ``concurrency`` at a time."""
     gate = asyncio.Semaphore(concurrency)
@@ -168,7 +172,7 @@ async def fetch_all(
             return pod.name, AgentStatusError("pod has no IP yet")
         async with gate:
             try:
-                return pod.name, await asyncio.to_thread(fetch_agent_status, url, timeout)
+                return pod.name, await asyncio.to_thread(fetch_agent_status, url, timeout, token)
             except AgentStatusError as e:
                 return pod.name, e
 
@@ -178,7 +182,7 @@ async def fetch_all(
 
 
 async def ask_agents(
-    api: KubeApi, namespace: str, selector: Mapping[str, str], timeout: float
+    api: KubeApi, namespace: str, selector: Mapping[str, str], timeout: float, token: str | None = None
 ) -> tuple[list[dict[str, Any]], list[AgentPod], dict[str, dict[str, Any] | AgentStatusError]]:
     """(the listed pods, one agent pod per node, what each running one answered to ``/status``).
 
@@ -187,4 +191,4 @@ async def ask_agents(
     """
     raw = await asyncio.to_thread(api.list_pods, namespace, selector)
     pods = select_agent_pods(raw, selector, AGENT_HTTP_PORT)
-    return raw, pods, await fetch_all(pods, timeout=timeout)
+    return raw, pods, await fetch_all(pods, timeout=timeout, token=token)

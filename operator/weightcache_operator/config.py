@@ -13,6 +13,8 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
+from .spec import SpecError
+
 # Defaults match the chart's values.yaml; a test checks that they agree.
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
@@ -46,6 +48,12 @@ class OperatorConfig:
     """Everything the operator needs besides the WeightCache itself."""
 
     agent_image: str = DEFAULT_AGENT_IMAGE
+    # Agents run privileged with host paths: a WeightCache (any namespace editor's object)
+    # may name only the default image or one of these, never an image of its own choosing.
+    agent_allowed_images: tuple[str, ...] = ()
+    # `--label-pods` of every agent: "auto" (promoted pods labelled from the node where the
+    # cluster runs agents in one), or "off" where no admission policy bounds that write.
+    agent_label_pods: str = "auto"
     agent_image_pull_policy: str = "IfNotPresent"
     # Image pull secrets (names in the WeightCache's namespace) for the agent pods.
     agent_image_pull_secrets: tuple[str, ...] = ()
@@ -86,6 +94,10 @@ class OperatorConfig:
 
         if (v := get("AGENT_IMAGE")):
             kwargs["agent_image"] = v
+        if (v := get("AGENT_ALLOWED_IMAGES")) is not None:
+            kwargs["agent_allowed_images"] = tuple(s.strip() for s in v.split(",") if s.strip())
+        if (v := get("AGENT_LABEL_PODS")):
+            kwargs["agent_label_pods"] = v.strip()
         if (v := get("AGENT_IMAGE_PULL_POLICY")):
             kwargs["agent_image_pull_policy"] = v
         if (v := get("AGENT_IMAGE_PULL_SECRETS")) is not None:
@@ -113,6 +125,8 @@ class OperatorConfig:
         """Fail at start-up, not at the first WeightCache, on settings that cannot work."""
         if not self.agent_image:
             raise ValueError("agent image must not be empty")
+        if self.agent_label_pods not in ("auto", "off"):
+            raise ValueError(f"agent label-pods must be auto or off: {self.agent_label_pods!r}")
         if self.agent_image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             raise ValueError(f"bad image pull policy: {self.agent_image_pull_policy!r}")
         if not self.model_root.startswith("/"):
@@ -126,6 +140,17 @@ class OperatorConfig:
         if not (1 <= self.max_node_entries <= 32):
             raise ValueError("max node entries must be within the CRD's bound (1..32)")
         return self
+
+    def agent_image_for(self, requested: str | None) -> str:
+        """The image a WeightCache's agents run: the default, or its spec.agent.image where the
+        admin allows that image; SpecError otherwise."""
+        if requested is None or requested == self.agent_image or requested in self.agent_allowed_images:
+            return requested or self.agent_image
+        allowed = ", ".join((self.agent_image, *self.agent_allowed_images))
+        raise SpecError("AgentImageNotAllowed",
+                        f"agent.image {requested!r} is not an image the cluster admin allows for agents "
+                        f"(allowed: {allowed}; the chart's agent.image and agent.allowedImages); "
+                        "agents left unchanged")
 
     def replace(self, **changes: object) -> "OperatorConfig":
         return dataclasses.replace(self, **changes).checked()  # type: ignore[arg-type]

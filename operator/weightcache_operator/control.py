@@ -32,6 +32,11 @@ def control_token(key: bytes, namespace: str, cache: str) -> str:
     return hmac.new(key, f"{namespace}/{cache}".encode(), hashlib.sha256).hexdigest()
 
 
+def status_token(key: bytes | None, namespace: str, cache: str) -> str | None:
+    """What the operator shows an agent's ``/status`` so that the leases name their pods (None: no key)."""
+    return control_token(key, namespace, cache) if key is not None else None
+
+
 def render_control_secret(key: bytes, namespace: str, cache: str) -> dict[str, Any]:
     token = control_token(key, namespace, cache)
     return {

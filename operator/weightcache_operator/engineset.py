@@ -76,7 +76,7 @@ from .kube import merge_patch_for
 from .manifests import model_dir
 from .transition import holds_for_memory, model_of
 from .manifests import selector_labels as agent_selector_labels
-from .control import SwitchoverError, control_token, post_switchover
+from .control import SwitchoverError, control_token, post_switchover, status_token
 from .placement import Placement, Replica, orphaned, place
 from .rollout import EnginePod, Step, Target, plan_group
 from .rollup import node_replicas
@@ -321,7 +321,8 @@ class EngineSetReconciler(ObjectReconciler):
         assert self.api is not None
         cs, ready, message, memory_hold = await asyncio.to_thread(self._read_cache, namespace, es)
         raw, agents, answers = await ask_agents(self.api, namespace, agent_selector_labels(es.cache_name),
-                                                self.config.agent_http_timeout)
+                                                self.config.agent_http_timeout,
+                                                status_token(self.config.control_key, namespace, es.cache_name))
         replicas: list[Replica] = []
         prim: dict[str, dict[str, PodRef]] = {}
         roles: dict[str, dict[str, str]] = {}

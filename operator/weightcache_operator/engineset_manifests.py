@@ -33,6 +33,7 @@ from .config import OperatorConfig
 from .engineset_spec import GPU_RESOURCE, EngineSetSpec
 from .manifests import (
     GPU_TOLERATION,
+    LABEL_CACHE,
     LABEL_MANAGED_BY,
     MANAGED_BY,
     MODEL_MOUNT,
@@ -186,6 +187,8 @@ def render_pod(
     labels.update(_object_labels(name, p.group))
     labels[LABEL_SERVING] = "true" if serving else "false"
     labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
+    # Whose agents serve it: the admission policy lets only that cache's agents mark it serving.
+    labels[LABEL_CACHE] = es.cache_name
     annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p),
                    ANNOTATION_MODEL: model_label(cs)}
 

@@ -53,7 +53,7 @@ from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PL
 from . import owned_status
 from .agents import ask_agents
 from .conditions import DEGRADED, Desired, merge
-from .control import render_control_secret
+from .control import render_control_secret, status_token
 from .config import OperatorConfig
 from .engineset import EngineSetReconciler
 from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
@@ -70,11 +70,13 @@ from .manifests import (
     selector_labels,
     socket_dir,
 )
-from .rollup import agent_conditions, daemonset_rollout, node_entry, spec_conditions, summarize
+from .rollup import agent_conditions, daemonset_rollout, integrity_news, node_entry, spec_conditions, summarize
 from .owned_status import carried_status, publish_status
 from .reconciler import ObjectReconciler
 from .spec import SpecError, parse_spec, plain
 from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
+
+ARENA_INTEGRITY = "ArenaIntegrity"  # Event and condition reason: an agent found its arena changed
 
 # Status keys this operator owns (anything else in .status is left alone).
 STATUS_KEYS = (
@@ -222,6 +224,7 @@ class Reconciler(ObjectReconciler):
 
         try:
             cs = parse_spec(plain(body.get("spec") or {}))
+            self.config.agent_image_for(cs.agent_image)  # privileged: only an image the admin allows
         except SpecError as e:
             logger.warning(f"invalid spec, agents left unchanged: {e.message}")
             desired = spec_conditions(e.reason, e.message)
@@ -261,6 +264,7 @@ class Reconciler(ObjectReconciler):
                 desired = spec_conditions("OwnershipConflict", str(e))
             else:
                 desired = self._agent_conditions(live_ds, new_status, *agents, cs.tensor)
+                desired = self._integrity(body, old_status, *agents, desired)
                 if held is not None:
                     desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", HELD_FOR_MEMORY, held)]
 
@@ -270,7 +274,8 @@ class Reconciler(ObjectReconciler):
     async def _agents(self, namespace: str, name: str) -> tuple[list[Any], dict[str, Any]]:
         """The agent pods and what each answered to `/status`."""
         assert self.api is not None
-        _, pods, answers = await ask_agents(self.api, namespace, selector_labels(name), self.config.agent_http_timeout)
+        _, pods, answers = await ask_agents(self.api, namespace, selector_labels(name), self.config.agent_http_timeout,
+                                            status_token(self.config.control_key, namespace, name))
         return pods, answers
 
     @staticmethod
@@ -289,6 +294,22 @@ class Reconciler(ObjectReconciler):
         summary = summarize(pods, answers, rollout.desired, self.config.max_node_entries, tp)
         new_status.update(summary)
         return agent_conditions(summary, rollout)
+
+    @staticmethod
+    def _integrity(body: kopf.Body, old_status: dict[str, Any], pods: list[Any], answers: dict[str, Any],
+                   desired: list[Desired]) -> list[Desired]:
+        """A Warning Event for each node whose agent found more changed arenas than the status last
+        said; Degraded (reason ArenaIntegrity) while an arena is changed now and nothing worse is."""
+        before = old_status.get("nodes") or []
+        rises, now = integrity_news(pods, answers, before, complete=not old_status.get("nodesOmitted"))
+        for line in rises:
+            # The operator's log, not kopf's per-object logger (which would post the line as a second Event).
+            logging.getLogger(__name__).warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"],
+                                                line)
+            kopf.event(body, type="Warning", reason=ARENA_INTEGRITY, message=line)
+        if now is not None and not any(d.type == DEGRADED and d.status == "True" for d in desired):
+            desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", ARENA_INTEGRITY, now)]
+        return desired
 
     async def _write_status(
         self, body: kopf.Body, memo: kopf.Memo, old: dict[str, Any], new: dict[str, Any], logger: Any

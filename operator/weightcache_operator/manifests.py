@@ -264,6 +264,8 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         template_annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
 
     args = agent_args(cs, namespace, name)
+    if config.agent_label_pods == "off":
+        args += ["--label-pods", "off"]  # no admission policy bounds an agent's write here
     if config.control_key is not None:
         # The token for POST /switchover (planned switchovers of rolling upgrades); optional,
         # so agents start before the operator has created it.
@@ -278,7 +280,7 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
 
     container: dict[str, Any] = {
         "name": AGENT_CONTAINER,
-        "image": cs.agent_image or config.agent_image,
+        "image": config.agent_image_for(cs.agent_image),
         "imagePullPolicy": config.agent_image_pull_policy,
         "command": ["weightcache"],
         "args": args,

@@ -131,6 +131,9 @@ def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | Non
         entry["loadSeconds"] = round(float(load), 3)
     if (c := _nonneg_int(answer.get("clients"))) is not None:
         entry["clients"] = c
+    failures, _ = integrity(answer)
+    if failures:
+        entry["integrityFailures"] = failures
     uuids = answer.get("gpuUUIDs")
     if isinstance(uuids, list):
         entry["gpuUUIDs"] = [u[:64] for u in uuids if isinstance(u, str) and u][:MAX_GPUS]
@@ -141,6 +144,47 @@ def node_entry(pod: AgentPod, answer: Mapping[str, Any] | AgentStatusError | Non
     if (f := _str(answer.get("fingerprint"), 128)) is not None:
         entry["fingerprint"] = f
     return entry
+
+
+def integrity(answer: Mapping[str, Any] | AgentStatusError | None) -> tuple[int, list[int]]:
+    """(arenas found changed since each rank's agent started, the ranks whose arena is changed now)
+    from a node's status document (its ranks' integrityFailures and integrity state)."""
+    if not isinstance(answer, Mapping) or not isinstance(answer.get("ranks"), list):
+        return 0, []
+    failures, tampered = 0, []
+    for i, r in enumerate(answer["ranks"]):
+        if not isinstance(r, Mapping):
+            continue
+        failures += _nonneg_int(r.get("integrityFailures")) or 0
+        if r.get("integrity") == "tampered":
+            rank = r.get("rank")
+            tampered.append(rank if isinstance(rank, int) and not isinstance(rank, bool) else i)
+    return failures, tampered
+
+
+def integrity_news(pods: Sequence[AgentPod], answers: Mapping[str, Mapping[str, Any] | AgentStatusError],
+                   before: Sequence[Mapping[str, Any]], complete: bool = True) -> tuple[list[str], str | None]:
+    """(one line per node whose count of changed arenas rose since the last status, a condition
+    message while some node's arena is changed now, else None). `before`: the last `.status.nodes`;
+    `complete`: it listed every node (else a node missing from it is not news: it was left out)."""
+    known = {e.get("node"): _nonneg_int(e.get("integrityFailures")) or 0 for e in before if isinstance(e, Mapping)}
+    rises, now = [], []
+    for pod in pods:
+        if pod.node is None or pod.terminating:
+            continue
+        failures, tampered = integrity(answers.get(pod.name))
+        if failures > known.get(pod.node, 0) and (complete or pod.node in known):
+            rises.append(f"node {pod.node}: the agent found {failures - known.get(pod.node, 0)} arena(s) changed "
+                         f"since it filled them ({failures} since it started); each is replaced from the "
+                         "checkpoint, and engines that mapped the changed arena keep it until they restart")
+        if tampered:
+            now.append(f"{pod.node} (rank {', '.join(map(str, tampered))})")
+    message = None
+    if now:
+        message = (f"arena changed since it was filled on {'; '.join(now[:3])}"
+                   f"{f' and {len(now) - 3} more nodes' if len(now) > 3 else ''}: attaches wait for a fresh copy; "
+                   "restart engines that mapped the changed one")[:MAX_MESSAGE]
+    return rises, message
 
 
 def summarize(

@@ -60,3 +60,23 @@ owner-reference garbage collection), no secrets, no pods/exec.
   resources: ["events"]
   verbs: ["create"]
 {{- end -}}
+
+{{/*
+"true" where the cluster serves ValidatingAdmissionPolicy (admissionregistration.k8s.io/v1,
+Kubernetes 1.30 and later), else empty. Without it the chart renders no policy, and
+nothing that only a policy would make safe: agents get no right to write (the operator
+alone labels pods) and the operator's reach is what RBAC alone gives it.
+*/}}
+{{- define "weightcache.hasAdmissionPolicies" -}}
+{{- if .Capabilities.APIVersions.Has "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" -}}true{{- end -}}
+{{- end -}}
+
+{{/* "true" where agents may label promoted pods themselves: asked for, and a policy can bound it. */}}
+{{- define "weightcache.agentWrites" -}}
+{{- if and .Values.agentPolicy.enabled (include "weightcache.hasAdmissionPolicies" .) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The agent images a WeightCache may name: the default and the allowlist, as a JSON list. */}}
+{{- define "weightcache.agentImages" -}}
+{{- prepend (.Values.agent.allowedImages | default list) .Values.agent.image | uniq | toJson -}}
+{{- end -}}

@@ -10,6 +10,13 @@ build: attaches then bind without it, slower by about a microsecond per tensor.
 
 Where: `$WEIGHTCACHE_NATIVE_DIR` if set, else beside this module if writable, else
 `~/.cache/weightcache/native`; `load()` looks in the same places.
+
+Trust: loading a shared object runs its code, and every input of KEY is public, so the
+name proves nothing. `build()` records the file's SHA-256 beside it (`KEY.so.sha256`), and
+`find()` takes a build only when the file, its record and their directory are owned by
+the running user or root and writable by nobody else, and the file's bytes hash to the
+record: all checked before `dlopen`, on the descriptor that is then loaded. A build that
+fails a check is skipped (the bind works without it); `refusals()` says why.
 """
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import os
+import stat
 import subprocess
 import sys
 import sysconfig
@@ -51,37 +59,129 @@ def places() -> list[Path]:
     env = os.environ.get(ENV_DIR)
     if env:
         return [Path(env)]
-    return [_HERE, Path.home() / ".cache" / "weightcache" / "native"]
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError, OSError):  # no $HOME and no passwd entry
+        return [_HERE]
+    return [_HERE, home / ".cache" / "weightcache" / "native"]
 
 
 def library_name(build_key: str) -> str:
     return f"_bindtorch-{build_key}.so"
 
 
-def find(build_key: str | None = None) -> Path | None:
-    """The build for the running torch (whose `key()` is `build_key`, where known), if one exists."""
-    name = library_name(build_key or key())
+RECORD_SUFFIX = ".sha256"  # beside the build: the SHA-256 of its bytes, recorded when it was built
+
+
+def record_name(build_key: str) -> str:
+    return library_name(build_key) + RECORD_SUFFIX
+
+
+class Untrusted(Exception):
+    """A build that exists but may not be loaded; the message says which file and why."""
+
+
+def _check_owner(st: os.stat_result, path: Path, what: str) -> None:
+    if st.st_uid not in (os.geteuid(), 0):
+        raise Untrusted(f"{path}: {what} owned by uid {st.st_uid}, not by uid {os.geteuid()} or root")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise Untrusted(f"{path}: {what} writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def _read_trusted(path: Path, limit: int) -> tuple[int, bytes]:
+    """An open descriptor of `path` (a regular file, not a link) and its bytes, after the
+    ownership and mode checks on it; the caller closes the descriptor."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise Untrusted(f"{path}: not a regular file")
+        _check_owner(st, path, "file")
+        if st.st_size > limit:
+            raise Untrusted(f"{path}: {st.st_size} bytes, more than a build can be")
+        data = os.pread(fd, st.st_size + 1, 0)
+        return fd, data
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def verified(path: Path) -> int:
+    """An open descriptor of the build at `path`, once the build, its hash record and their
+    directory pass the ownership checks and the bytes match the record; raises Untrusted."""
+    try:
+        _check_owner(os.stat(path.parent), path.parent, "directory")
+        record_fd, record = _read_trusted(path.with_name(path.name + RECORD_SUFFIX), 128)
+        os.close(record_fd)
+        fd, data = _read_trusted(path, 1 << 30)
+    except FileNotFoundError as e:
+        raise Untrusted(f"{e.filename}: missing (rebuild with weightcache build-native)") from None
+    except OSError as e:
+        raise Untrusted(f"{path}: {e.strerror}") from None
+    if hashlib.sha256(data).hexdigest() != record.decode(errors="replace").strip():
+        os.close(fd)
+        raise Untrusted(f"{path}: content does not match the hash recorded when it was built")
+    return fd
+
+
+def _candidates(build_key: str) -> list[Path]:
+    found = []
     for place in places():
-        if (place / name).is_file():
-            return place / name
-    return None
+        try:
+            if (place / library_name(build_key)).is_file():
+                found.append(place / library_name(build_key))
+        except OSError:  # an unreadable place (a $HOME we may not enter) has no build
+            continue
+    return found
+
+
+def _scan(build_key: str | None) -> tuple[Path | None, list[str]]:
+    """(the first build of the running torch that passes `verified()`, why each one before it did not)."""
+    refused = []
+    for path in _candidates(build_key or key()):
+        try:
+            os.close(verified(path))
+        except Untrusted as e:
+            refused.append(str(e))
+            continue
+        return path, refused
+    return None, refused
+
+
+def find(build_key: str | None = None) -> Path | None:
+    """The build for the running torch (whose `key()` is `build_key`, where known), if one exists
+    and passes `verified()`."""
+    return _scan(build_key)[0]
+
+
+def refusals(build_key: str | None = None) -> list[str]:
+    """Why each build of the running torch found before a usable one is not loaded."""
+    return _scan(build_key)[1]
 
 
 def load(path: Path | None = None) -> object | None:
     """The row binder's function table (a capsule for `_bindfast.bind`), or None where no build
-    matches the running torch or the build will not load. `path`: that build, not `find()`'s."""
+    matches the running torch, none passes `verified()`, or the build will not load. `path`:
+    that build, not `find()`'s."""
     build_key = key()  # hashes the sources: once per load
-    path = path or find(build_key)
-    if path is None:
-        return None
-    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
-    spec = importlib.util.spec_from_file_location(MODULE, path, loader=loader)
-    try:
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except ImportError:
-        return None
-    return module.rows if getattr(module, "built_for", None) == build_key else None
+    for candidate in [path] if path is not None else _candidates(build_key):
+        try:
+            fd = verified(candidate)
+        except Untrusted:
+            continue
+        try:
+            # Load the very file that was hashed: through its descriptor, not its name.
+            via = f"/proc/self/fd/{fd}"
+            loader = importlib.machinery.ExtensionFileLoader(MODULE, via)
+            spec = importlib.util.spec_from_file_location(MODULE, via, loader=loader)
+            module = importlib.util.module_from_spec(spec)
+            loader.exec_module(module)
+        except ImportError:
+            return None
+        finally:
+            os.close(fd)
+        return module.rows if getattr(module, "built_for", None) == build_key else None
+    return None
 
 
 def build(into: Path | None = None, compiler: str | None = None) -> Path:
@@ -117,8 +217,23 @@ def build(into: Path | None = None, compiler: str | None = None) -> Path:
         os.unlink(partial)
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         raise BuildError(f"{cxx} failed (exit {done.returncode}): {tail}")
+    with open(partial, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    os.chmod(partial, 0o755)
+    _write_record(into / record_name(build_key), digest)
     os.replace(partial, target)
     return target
+
+
+def _write_record(path: Path, digest: str) -> None:
+    """The build's hash, written under a temporary name (0644, this user's) and renamed."""
+    fd, partial = tempfile.mkstemp(prefix=".bindtorch-", suffix=".sha256", dir=path.parent)
+    try:
+        os.write(fd, digest.encode() + b"\n")
+        os.fchmod(fd, 0o644)
+    finally:
+        os.close(fd)
+    os.replace(partial, path)
 
 
 def _writable(place: Path) -> bool:

@@ -2,10 +2,12 @@
 
 Run it once where engines run, after torch is installed (an image's build step, typically):
 attaches in every later engine process then bind each tensor inside torch. `--check` says
-whether the running torch has a build, without compiling.
+whether the running torch has a build that would be loaded (owned by this user or root,
+writable by nobody else, matching the hash recorded at build time), without compiling.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +38,9 @@ def main(argv: list[str]) -> int:
     if args.check:
         found = native_build.find()
         if found is None:
+            refused = native_build.refusals()
+            if refused:
+                return refuse(PROG, f"refusing the build for torch {torch.__version__}: {refused[0]}", EXIT_FAILED)
             return refuse(PROG, f"no build for torch {torch.__version__} (key {native_build.key()}); "
                                 f"run {PROG}", EXIT_FAILED)
         print(f"{found} (torch {torch.__version__})")
@@ -46,6 +51,10 @@ def main(argv: list[str]) -> int:
         built = native_build.build(args.into)
     except (native_build.BuildError, OSError) as e:
         return refuse(PROG, str(e), EXIT_FAILED)
+    try:
+        os.close(native_build.verified(built))
+    except native_build.Untrusted as e:
+        return refuse(PROG, f"built, but engines will not load it: {e}", EXIT_FAILED)
     if native_build.load(built) is None:
         return refuse(PROG, f"{built} was built but does not load into this torch", EXIT_FAILED)
     print(f"built {built} for torch {torch.__version__} in {time.monotonic() - began:.1f} s")

@@ -13,18 +13,37 @@ so a probe answers in microseconds even while a rank is wedged. Gauges are produ
 scrape time from that document (a custom collector); the attach latency histogram is a
 real cumulative `Histogram` the supervisor feeds with each new attach it sees, so it
 survives worker restarts the way Prometheus expects counters to.
+
+Connections cost no thread until their request is whole: one thread accepts them and
+reads every request head (and a switchover's small body) with a selector, at most
+`MAX_CONNECTIONS` at once (past that the oldest unfinished one is closed, so a flood of
+slow clients cannot keep a kubelet probe out) and each within `REQUEST_TIMEOUT` in all,
+however slowly its bytes come. Whole requests go to `HANDLER_THREADS` threads through a
+queue of `MAX_QUEUED`; past that a request is closed unanswered. The agent's thread count
+therefore does not grow with its clients.
+
+Who sees what: `/status` lists each rank's leases. Where a control token is set, the
+pods, groups and pids in them go only to a request that carries that token (the
+operator, which derives it); everyone else gets the same document with each lease
+reduced to its role. Without a token there is nobody to tell apart, and leases are
+shown whole.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import hmac
+import io
 import json
 import logging
+import queue
+import re
+import selectors
 import socket
 import socketserver
-import sys
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import time
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Callable, Iterable, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
@@ -36,8 +55,14 @@ log = logging.getLogger("weightcache.http")
 # makes engines wait (still loading, contention).
 ATTACH_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 RANK_LABELS = ("rank", "device")
-REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its request
+REQUEST_TIMEOUT = 10.0  # seconds a client may take to send its whole request
+WRITE_TIMEOUT = 10.0  # seconds a reply may wait on a client that does not read
 MAX_POST_BYTES = 4096
+MAX_HEAD_BYTES = 16384  # request line and headers
+MAX_CONNECTIONS = 256  # connections still sending their request
+HANDLER_THREADS = 4
+MAX_QUEUED = 64  # whole requests waiting for a handler thread
+_CONTENT_LENGTH = re.compile(rb"^content-length:[ \t]*([0-9]{1,9})[ \t]*\r?$", re.I | re.M)
 MAX_NAME = 253  # a Kubernetes name; groups are "namespace/name"
 
 
@@ -117,82 +142,225 @@ class _StatusCollector:
         return [resident, clients, load, ready, restarts, misses, changed, verified]
 
 
-class _Server(ThreadingHTTPServer):
-    dual_stack = False  # with AF_INET6 on "::": IPv4 too (pod IPs may be either)
-    daemon_threads = True
-    request_queue_size = 128  # probes, scrapes and the operator may arrive together
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hung up mid-reply is routine, not a traceback.
-        exc = sys.exc_info()[1]
-        if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("client %s went away: %s", client_address, exc)
-            return
-        log.exception("HTTP request from %s failed", client_address)
-
-    def server_bind(self) -> None:
-        if self.dual_stack:
-            with contextlib.suppress(OSError, AttributeError):
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        # HTTPServer.server_bind resolves its own name with getfqdn(): a reverse DNS lookup
-        # that can hang for seconds in a pod without working DNS. Nothing here needs it.
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = "weightcache-agent", self.server_address[1]
-
-
-class _Ipv6Server(_Server):
-    address_family = socket.AF_INET6
-
-
-class _DualStackServer(_Ipv6Server):
-    dual_stack = True
-
-
 class AgentHTTPServer:
-    """The endpoints above on `host:port` (port 0: any free port, see `.port`), served from threads."""
+    """The endpoints above on `host:port` (port 0: any free port, see `.port`): one thread reads
+    requests, `HANDLER_THREADS` answer them."""
 
     def __init__(self, host: str, port: int, source: StatusSource, registry: CollectorRegistry,
                  control_token: Callable[[], str | None] | None = None):
         # staticmethod: a plain function as a class attribute would be bound to the handler.
-        handler = type("Handler", (_Handler,), {"source": source, "registry": registry,
-                                                "control_token": staticmethod(control_token) if control_token else None})
-        self._server = _make_server(host, port, handler)
-        self.port: int = self._server.server_address[1]
-        self._thread: threading.Thread | None = None
+        self._handler = type("Handler", (_Handler,), {"source": source, "registry": registry,
+                                                      "control_token": staticmethod(control_token)
+                                                      if control_token else None})
+        self._listener = _listen(host, port)
+        self.port: int = self._listener.getsockname()[1]
+        self._requests: queue.Queue[tuple[socket.socket, Any, bytes] | None] = queue.Queue(MAX_QUEUED)
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._threads: list[threading.Thread] = []
+        self._dropped = 0  # connections closed for want of room, logged at most once a second
+        self._dropped_logged = 0.0
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.5},
-                                        name="http", daemon=True)
-        self._thread.start()
-        host = self._server.server_address[0]
+        self._threads = [threading.Thread(target=self._read_requests, name="http", daemon=True)]
+        self._threads += [threading.Thread(target=self._answer, name=f"http-{i}", daemon=True)
+                          for i in range(HANDLER_THREADS)]
+        for t in self._threads:
+            t.start()
+        host = self._listener.getsockname()[0]
         log.info("http listening on %s:%d (/healthz /readyz /status /metrics)",
                  f"[{host}]" if ":" in host else host, self.port)
 
     def close(self) -> None:
-        if self._thread is not None:
-            self._server.shutdown()
-            self._thread.join(5.0)
-        self._server.server_close()
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+        for _ in range(HANDLER_THREADS):
+            with contextlib.suppress(queue.Full):
+                self._requests.put(None, timeout=1.0)
+        for t in self._threads:
+            t.join(5.0)
+        self._listener.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+    # -- reading requests: one thread, no thread per connection -------------------------
+
+    def _read_requests(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self._listener, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
+        # connection -> (peer, bytes so far, deadline); insertion order is age
+        pending: collections.OrderedDict[socket.socket, list[Any]] = collections.OrderedDict()
+
+        def drop(conn: socket.socket, why: str) -> None:
+            sel.unregister(conn)
+            peer = pending.pop(conn)[0]
+            log.debug("http client %s dropped: %s", _peer_name(peer), why)
+            conn.close()
+
+        try:
+            while not self._stop.is_set():
+                timeout = max(0.0, next(iter(pending.values()))[2] - time.monotonic()) if pending else None
+                for key, _ in sel.select(timeout):
+                    if key.fileobj is self._wake_r:
+                        return
+                    if key.fileobj is self._listener:
+                        self._accept(sel, pending, drop)
+                        continue
+                    conn = key.fileobj
+                    state = pending[conn]
+                    try:
+                        chunk = conn.recv(65536)
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as e:
+                        drop(conn, str(e))
+                        continue
+                    if not chunk:
+                        drop(conn, "hung up before its request was whole")
+                        continue
+                    state[1] += chunk
+                    whole = _request_complete(state[1])
+                    if whole is None:
+                        drop(conn, "request too large")
+                    elif whole:
+                        sel.unregister(conn)
+                        peer, data, _ = pending.pop(conn)
+                        self._hand_over(conn, peer, data)
+                now = time.monotonic()
+                while pending and next(iter(pending.values()))[2] <= now:
+                    drop(next(iter(pending)), f"request not whole within {REQUEST_TIMEOUT:g} s")
+        finally:
+            for conn in list(pending):
+                conn.close()
+            sel.close()
+
+    def _accept(self, sel: selectors.BaseSelector, pending: collections.OrderedDict,
+                drop: Callable[[socket.socket, str], None]) -> None:
+        for _ in range(64):  # a burst at a time, then back to the clients already here
+            try:
+                conn, peer = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of descriptors: the backlog keeps them until we have room
+                log.warning("http accept failed: %s", e)
+                return
+            if len(pending) >= MAX_CONNECTIONS:
+                drop(next(iter(pending)), "too many connections still sending their request")
+                self._count_drop()
+            conn.setblocking(False)
+            pending[conn] = [peer, b"", time.monotonic() + REQUEST_TIMEOUT]
+            sel.register(conn, selectors.EVENT_READ)
+
+    def _hand_over(self, conn: socket.socket, peer: Any, data: bytes) -> None:
+        try:
+            self._requests.put_nowait((conn, peer, data))
+        except queue.Full:
+            conn.close()
+            self._count_drop()
+
+    def _count_drop(self) -> None:
+        self._dropped += 1
+        now = time.monotonic()
+        if now - self._dropped_logged >= 1.0:
+            log.warning("http: %d connection(s) closed for want of room (%d at once at most)",
+                        self._dropped, MAX_CONNECTIONS)
+            self._dropped, self._dropped_logged = 0, now
+
+    # -- answering: a fixed pool ---------------------------------------------------------
+
+    def _answer(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            conn, peer, data = item
+            try:
+                conn.setblocking(True)
+                conn.settimeout(WRITE_TIMEOUT)
+                # Room for any reply here (status is tens of KiB), so one that is never read
+                # leaves the kernel with it instead of holding this thread.
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+                self._handler((conn, data), peer, self)
+            except (ConnectionError, TimeoutError) as e:  # a client that hung up mid-reply is routine
+                log.debug("http client %s went away: %s", _peer_name(peer), e)
+            except Exception:
+                log.exception("HTTP request from %s failed", _peer_name(peer))
+            finally:
+                with contextlib.suppress(OSError):
+                    conn.close()
 
 
-def _make_server(host: str, port: int, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+def _peer_name(peer: Any) -> str:
+    return str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+
+
+def _request_complete(data: bytes) -> bool | None:
+    """True once `data` holds a whole request (head, and the body its Content-Length says), False
+    while more is to come, None when it is larger than any request served here."""
+    head_end = data.find(b"\r\n\r\n")
+    if head_end < 0:
+        return None if len(data) > MAX_HEAD_BYTES else False
+    if head_end > MAX_HEAD_BYTES:
+        return None
+    match = _CONTENT_LENGTH.search(data, 0, head_end + 2)
+    length = int(match.group(1)) if match else 0
+    if length > MAX_POST_BYTES:
+        return True  # the handler answers 400 from the head alone
+    return len(data) - head_end - 4 >= length
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening socket: `""` or `"::"` for every address (both families where there is IPv6)."""
     if host in ("", "::"):
         try:
-            return _DualStackServer(("::", port), handler)
+            sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
         except OSError as e:
             if host == "::":
                 raise
             log.info("no IPv6 here (%s); listening on IPv4 only", e)
-        return _Server(("0.0.0.0", port), handler)
-    return (_Ipv6Server if ":" in host else _Server)((host, port), handler)
+            return _bound(socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port))
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too (pod IPs may be either)
+        return _bound(sock, ("::", port))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return _bound(socket.socket(family, socket.SOCK_STREAM), (host, port))
+
+
+def _bound(sock: socket.socket, address: tuple[str, int]) -> socket.socket:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(128)  # probes, scrapes and the operator may arrive together
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class _Handler(BaseHTTPRequestHandler):
     source: StatusSource
     registry: CollectorRegistry
     control_token: Callable[[], str | None] | None = None  # reads the current token (None: off)
-    timeout = REQUEST_TIMEOUT
     server_version = "weightcache-agent"
+
+    def setup(self) -> None:
+        # The request was read whole before this handler ran: parse it from memory.
+        self.connection, data = self.request
+        self.rfile = io.BytesIO(data)
+        self.wfile = socketserver._SocketWriter(self.connection)
+
+    def finish(self) -> None:
+        self.wfile.flush()
+
+    def _token(self) -> str | None:
+        return self.control_token() if self.control_token is not None else None
+
+    def _authorized(self, token: str) -> bool:
+        offered = self.headers.get("Authorization", "")
+        return hmac.compare_digest(offered.encode(), f"Bearer {token}".encode())
 
     def do_GET(self) -> None:
         self._route(send_body=True)
@@ -212,32 +380,36 @@ class _Handler(BaseHTTPRequestHandler):
                 self._json(200 if ready else 503, {"ready": ready, "phase": doc["phase"], "message": doc["message"]},
                            send_body)
             elif path == "/status":
-                self._json(200, self.source.snapshot(), send_body)
+                token = self._token()
+                doc = self.source.snapshot()
+                self._json(200, doc if token is None or self._authorized(token) else _without_identities(doc),
+                           send_body)
             elif path == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.registry), send_body)
             else:
                 self._json(404, {"error": f"no such endpoint {path!r}; try /healthz /readyz /status /metrics"},
                            send_body)
+        except (ConnectionError, TimeoutError):
+            raise  # the client went away: nobody to answer
         except Exception:  # one bad request must not look like a dead agent
             log.exception("GET %s failed", path)
             self._json(500, {"error": "internal error; see the agent's log"}, send_body)
 
     def do_POST(self) -> None:
         path = self.path.split("?", 1)[0]
-        token = self.control_token() if self.control_token is not None else None
+        token = self._token()
         if path != "/switchover" or token is None:
             self._json(404, {"error": f"no POST endpoint {path!r}" if path != "/switchover" else
                              "switchover over HTTP is off on this agent (no control token)"}, True)
             return
-        offered = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(offered.encode(), f"Bearer {token}".encode()):
+        if not self._authorized(token):
             self._json(401, {"error": "a valid bearer token is required"}, True)
             return
         try:
             length = int(self.headers.get("Content-Length", ""))
             if not 0 < length <= MAX_POST_BYTES:
                 raise ValueError(f"Content-Length must be 1..{MAX_POST_BYTES}")
-            body = json.loads(self.rfile.read(length))
+            body = json.loads(self.rfile.read(length))  # from memory: the body was read with the head
             group, to_pod = body.get("group"), body.get("toPod")
             if not all(isinstance(v, str) and 0 < len(v) <= 2 * MAX_NAME + 1 for v in (group, to_pod or "-")):
                 raise ValueError("body must be {\"group\": string, \"toPod\": string or null (demote only)}")
@@ -267,3 +439,10 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         # Probes arrive every few seconds: access lines only at debug level.
         log.debug("%s %s", self.address_string(), format % args)
+
+
+def _without_identities(doc: dict[str, Any]) -> dict[str, Any]:
+    """The status document for a reader without the control token: each lease's role only."""
+    ranks = [{**r, "leases": [{"role": lease.get("role")} for lease in r.get("leases") or []]}
+             for r in doc.get("ranks") or []]
+    return {**doc, "ranks": ranks}

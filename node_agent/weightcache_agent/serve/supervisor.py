@@ -95,6 +95,12 @@ class NodeConfig:
     node_name: str = ""
     socket_group: str | None = None
     max_leases: int = 256
+    # The socket's other bounds, as each worker's own flags (None: the worker's default).
+    max_pending: int | None = None
+    max_leases_per_uid: int | None = None
+    max_pending_per_uid: int | None = None
+    max_connections_per_uid: int | None = None
+    scrub_interval: float | None = None
     label_pods: str = "auto"
     pod_identity: str = "auto"
     identity_audience: str = "weightcache.io"
@@ -120,6 +126,12 @@ class NodeConfig:
             argv += ["--layout", self.layout]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
+        for flag, value in (("--max-pending", self.max_pending), ("--max-leases-per-uid", self.max_leases_per_uid),
+                            ("--max-pending-per-uid", self.max_pending_per_uid),
+                            ("--max-connections-per-uid", self.max_connections_per_uid),
+                            ("--scrub-interval", self.scrub_interval)):
+            if value is not None:
+                argv += [flag, str(value)]
         if peer is not None:
             argv += ["--peer-socket", peer]
         return argv
@@ -601,8 +613,11 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
                         sharding=args.sharding, expert_parallel=args.expert_parallel, layout=args.layout,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
-                        socket_group=args.socket_group, max_leases=args.max_leases, label_pods=args.label_pods,
-                        pod_identity=args.pod_identity, identity_audience=args.identity_audience)
+                        socket_group=args.socket_group, max_leases=args.max_leases, max_pending=args.max_pending,
+                        max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,
+                        max_connections_per_uid=args.max_connections_per_uid, scrub_interval=args.scrub_interval,
+                        label_pods=args.label_pods, pod_identity=args.pod_identity,
+                        identity_audience=args.identity_audience)
     metrics = AgentMetrics()
     supervisor = NodeSupervisor(config, devices, setup_error, on_attach=metrics.observe_attach)
     metrics.watch(supervisor.snapshot, [(w.rank, w.device.uuid) for w in supervisor.workers])
