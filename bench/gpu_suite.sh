@@ -15,7 +15,7 @@ python3 -c "import setuptools; from weightcache_agent.client.rebind import _bind
 python3 bench/attach_profile.py cuda > "$OUT/attach_profile.log" 2>&1; head -2 "$OUT/attach_profile.log"
 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_backend.py tests/test_prepare.py tests/test_transformers.py \
   tests/test_tp_cuda.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_native_build.py \
-  tests/test_readonly_weights.py 2>&1 | tee "$OUT/gpu_tests.log"
+  tests/test_readonly_weights.py tests/test_security_digest_cuda.py tests/test_first_day.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
