@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the agent serves")
     p.add_argument("--tp-rank", type=int, default=0, help="this engine's rank")
+    p.add_argument("--engine-id", default=os.environ.get("WEIGHTCACHE_ENGINE_ID") or None,
+                   help="names this engine on every rank, so that the ranks' agents promote it together (default: "
+                        "$WEIGHTCACHE_ENGINE_ID, else --dist-init with --tp-size > 1; in a pod its uid is used)")
     p.add_argument("--dist-init", help="tcp://HOST:PORT where the ranks of a tensor-parallel engine meet (PORT+1 "
                                        "carries rank 0's requests to the others); the same on every rank")
     add_quantization_flag(p)
@@ -116,7 +119,8 @@ def main(argv: list[str]) -> int:
     options = EngineOptions(
         model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
         tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
-        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init)
+        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init,
+        engine_id=args.engine_id)
     if args.tp_size > 1 and args.tp_rank > 0:
         return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
     try:

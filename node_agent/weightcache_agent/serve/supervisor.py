@@ -100,7 +100,8 @@ class NodeConfig:
     identity_audience: str = "weightcache.io"
     peer_copy: bool = True  # replicas after the first fill from it instead of reading the disk
 
-    def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None) -> list[str]:
+    def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None,
+                    rank_sockets: list[str] | None = None) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
                 "--model", self.model, "--socket", socket_path,
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
@@ -122,6 +123,8 @@ class NodeConfig:
             argv += ["--socket-group", str(self.socket_group)]
         if peer is not None:
             argv += ["--peer-socket", peer]
+        if rank_sockets:
+            argv += ["--rank-sockets", ",".join(rank_sockets)]
         return argv
 
 
@@ -183,6 +186,7 @@ class Worker:
         self.rank, self.device, self.config = rank, device, config
         self.socket = os.path.join(config.socket_dir, device.socket_name)
         self.peer: str | None = None  # the first replica's socket of this rank, for a replica after it
+        self.rank_sockets: list[str] | None = None  # every rank's socket of this replica (TP > 1): group promotion
         self.on_attach = on_attach
         self.out = out or sys.stderr
         self.proc: subprocess.Popen[str] | None = None
@@ -201,7 +205,7 @@ class Worker:
     # -- process -----------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        argv = self.config.worker_argv(self.rank, self.device, self.socket, self.peer)
+        argv = self.config.worker_argv(self.rank, self.device, self.socket, self.peer, self.rank_sockets)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True,
                                      preexec_fn=die_with_parent)
@@ -413,6 +417,12 @@ class NodeSupervisor:
         self.setup_error = setup_error
         # Replica r of the cache is devices[r*tp : (r+1)*tp]; its workers are ranks 0..tp-1.
         self.workers = [Worker(i % config.tp_size, device, config, on_attach, out) for i, device in enumerate(devices)]
+        if config.tp_size > 1:
+            # The ranks of one replica promote engines together; rank 0's worker decides (serve/rank_group.py).
+            for start in range(0, len(self.workers) - config.tp_size + 1, config.tp_size):
+                replica = self.workers[start:start + config.tp_size]
+                for worker in replica:
+                    worker.rank_sockets = [w.socket for w in replica]
         if config.peer_copy:
             # Replicas after the first copy each rank's arena from the first replica's, GPU to GPU.
             for worker in self.workers[config.tp_size:]:
