@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -112,8 +113,9 @@ def test_fp8_block_straddling_two_ranks_is_refused(workdir):
 
 
 def test_tp2_groups_fail_over_whole(model, workdir):
-    """Primary and standby TP=2 engines (role auto) on one node supervisor: kill -9 every process of the
-    primary, and both ranks promote the standby engine -- not, on rank 1, an older standby attached on that
+    """Primary and standby TP=2 engines (role auto; the standby's ranks started by the one-command
+    launcher, as in a pod) on one node supervisor: kill -9 every process of the primary, and both ranks
+    promote the standby engine -- not, on rank 1, an older standby attached on that
     rank only, which each rank deciding alone would pick."""
     node = Node(model, os.path.join(workdir, "node"), tp_size=2)
     group = ProcessGroup(os.path.join(workdir, "engines"))
@@ -123,20 +125,21 @@ def test_tp2_groups_fail_over_whole(model, workdir):
         sockets = [rank["socket"] for rank in status["ranks"]]
         env = {"WEIGHTCACHE_SOCKET_DIR": node.socket_dir, "WEIGHTCACHE_DEVICES": ",".join(status["gpuUUIDs"]),
                "OMP_NUM_THREADS": "1"}
-        engines, names = {}, {"partial": "partial"}
-        # The standby engine starts its steps one after another, the primary overlapped: both must serve.
-        for name, start in (("primary", "overlapped"), ("standby", "sequential")):
-            init = rendezvous()
-            names[init] = name
-            engines[name] = [group.start_engine(model, f"{name}{r}", role="auto", group="g",
-                                                env={**env, "WEIGHTCACHE_ENGINE_START": start},
-                                                extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init])
-                             for r in range(2)]
-            engines[name][0].wait_serving(120)
-            if name == "primary":
-                # An older standby on rank 1 alone: never complete, so never the one promoted.
-                partial = standby_lease(sockets[1], CacheSpec(model=model, tp_size=2, tp_rank=1), "g", "partial")
-        primary, standby = engines["primary"][0], engines["standby"][0]
+        # The primary: one process per rank, started by hand, its steps overlapped.
+        init = rendezvous()
+        names = {init: "primary", "standby": "standby", "partial": "partial"}
+        ranks = [group.start_engine(model, f"primary{r}", role="auto", group="g", env=env,
+                                    extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init])
+                 for r in range(2)]
+        primary = ranks[0]
+        primary.wait_serving(120)
+        # An older standby on rank 1 alone: never complete, so never the one promoted.
+        partial = standby_lease(sockets[1], CacheSpec(model=model, tp_size=2, tp_rank=1), "g", "partial")
+        # The standby: as in a pod, one command starts both ranks (their steps one after another).
+        standby = group.start_engine(model, "standby", role="auto", group="g", extra=["--tp-size", "2"],
+                                     env={**env, "WEIGHTCACHE_ENGINE_START": "sequential",
+                                          "WEIGHTCACHE_ENGINE_ID": "standby"})
+        standby.wait_serving(120)
         # Where each rank 0's start-up went, in the order it happened (seconds since its process started).
         for engine, overlapped in ((primary, True), (standby, False)):
             health = engine.get("/healthz")[1]
@@ -146,7 +149,7 @@ def test_tp2_groups_fail_over_whole(model, workdir):
             assert [at[s] for s in steps] == sorted(at[s] for s in steps) and at["flags checked"] > 0, at
             assert ("local warm-up" in at) == overlapped and "attach path prepared" in at, at
             assert set(health["attach_phases"]) == {"request", "round trip", "map", "bind"}
-        wait_until(lambda: "rank 1 start-up (seconds since process start)" in engines["primary"][1].log(), 10)
+        wait_until(lambda: "rank 1 start-up (seconds since process start)" in ranks[1].log(), 10)
         # Role auto, decided for the whole engine: the first engine is primary on both ranks.
         assert primary.get("/readyz")[0] == 200 and standby.get("/readyz")[0] == 503
         assert roles(sockets, "g", names) == [{"primary": ["primary"], "standby": ["standby"]},
@@ -156,7 +159,7 @@ def test_tp2_groups_fail_over_whole(model, workdir):
         assert code == 200 and body["tokens"] == reference
 
         killed = time.monotonic()
-        for rank in engines["primary"]:
+        for rank in ranks:
             rank.kill()  # SIGKILL
         while True:
             code, body = standby.generate(PROMPT, 6)
@@ -169,12 +172,16 @@ def test_tp2_groups_fail_over_whole(model, workdir):
         assert body["tokens"] == reference and body["role"] == "primary"
         # Each rank's agent holds the standby engine's rank as primary; the partial standby stays one.
         assert roles(sockets, "g", names) == [{"standby": ["primary"]}, {"standby": ["primary"], "partial": ["standby"]}]
-        assert engines["standby"][1].alive()
         logged = node.log()
         assert "is primary on all 2 ranks in" in logged, logged[-3000:]
         print(f"\nTP=2 group promotion: kill -9 of the primary's 2 processes -> standby engine serving in "
               f"{serving * 1e3:.0f} ms")
         assert serving < 5.0, serving
+        # The launcher keeps its ranks together: SIGTERM stops both, cleanly.
+        standby.kill(signal.SIGTERM)
+        assert standby.proc.wait(60) == 0, standby.log_tail()
+        wait_until(lambda: not any(lease["group"] == "g" and lease["engine"] == "standby"
+                                   for sock in sockets for lease in agent_status(sock)["clients"]), 10)
     finally:
         if partial is not None:
             partial.close()

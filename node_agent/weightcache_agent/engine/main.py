@@ -4,7 +4,8 @@ Order matters for operators: the HTTP server binds first (so /healthz answers an
 chosen port is known while weights arrive), then the weights are attached, then the
 engine warms up and /readyz turns 200 (a primary) or stays 503 until promotion (a
 standby). Exit status: 0 after a clean shutdown, 1 when loading or attaching failed
-(including a refused second primary), 2 for bad flags.
+(including a refused second primary), 2 for bad flags. With `--tp-size N` and no
+`--tp-rank`, this process is the launcher of all N ranks (engine/launch.py).
 """
 from __future__ import annotations
 
@@ -30,12 +31,14 @@ def build_parser() -> argparse.ArgumentParser:
         "Llama/Qwen2/Mistral decoder, any other causal LM through transformers. POST /generate takes and returns "
         "token ids (it has no tokenizer).",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
+                  "weightcache engine --model /models/qwen --tp-size 2 --port 8000  # one process per rank",
                   "curl -s localhost:8000/generate -d '{\"tokens\": [1, 450, 4996], \"max_tokens\": 16}'  "
                   "# token ids in and out: the reference engine has no tokenizer"],
         env={"WEIGHTCACHE_MODEL": "the checkpoint directory, when --model is not given (set in EngineSet pods)",
              "WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
+             "WEIGHTCACHE_ENGINE_ID": "default of --engine-id",
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
              "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)",
              "WEIGHTCACHE_ENGINE_START": "overlapped (default) | sequential: start-up steps side by side, or one "
@@ -60,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, see --port-file)")
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the agent serves")
-    p.add_argument("--tp-rank", type=int, default=0, help="this engine's rank")
+    p.add_argument("--tp-rank", type=int, default=None,
+                   help="this process's rank; left out with --tp-size > 1, this process starts every rank (one "
+                        "process each, as in a pod) and keeps them together")
     p.add_argument("--engine-id", default=os.environ.get("WEIGHTCACHE_ENGINE_ID") or None,
                    help="names this engine on every rank, so that the ranks' agents promote it together (default: "
                         "$WEIGHTCACHE_ENGINE_ID, else --dist-init with --tp-size > 1; in a pod its uid is used)")
@@ -97,6 +102,11 @@ def main(argv: list[str]) -> int:
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
 
+    if args.tp_size > 1 and args.tp_rank is None:
+        from .launch import launch
+
+        return launch(argv, args.tp_size, args.dist_init, args.drain_seconds)
+    args.tp_rank = args.tp_rank or 0
     from .startup import begin
 
     if args.mode != "off":
