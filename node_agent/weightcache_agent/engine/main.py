@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
              "WEIGHTCACHE_ENGINE_ID": "default of --engine-id",
+             "WEIGHTCACHE_SHARDING": "default of --sharding (set in EngineSet pods)",
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
              "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)",
              "WEIGHTCACHE_ENGINE_START": "overlapped (default) | sequential: start-up steps side by side, or one "
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-rank", type=int, default=None,
                    help="this process's rank; left out with --tp-size > 1, this process starts every rank (one "
                         "process each, as in a pod) and keeps them together")
+    p.add_argument("--sharding", default=os.environ.get("WEIGHTCACHE_SHARDING") or None,
+                   help="the cache's sharding preset or rules file, as the agent was given it (default: "
+                        "$WEIGHTCACHE_SHARDING, which an EngineSet sets from its cache; else chosen from config.json)")
     p.add_argument("--engine-id", default=os.environ.get("WEIGHTCACHE_ENGINE_ID") or None,
                    help="names this engine on every rank, so that the ranks' agents promote it together (default: "
                         "$WEIGHTCACHE_ENGINE_ID, else --dist-init with --tp-size > 1; in a pod its uid is used)")
@@ -130,7 +134,7 @@ def main(argv: list[str]) -> int:
         model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
         tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
         max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init,
-        engine_id=args.engine_id)
+        engine_id=args.engine_id, sharding=args.sharding)
     if args.tp_size > 1 and args.tp_rank > 0:
         return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
     try:

@@ -67,6 +67,7 @@ class EngineOptions:
     max_new_tokens: int = 256
     dist_init: str | None = None  # tcp://HOST:PORT of the tensor-parallel rendezvous (tp_size > 1)
     engine_id: str | None = None  # names the engine across its ranks (default: dist_init when tp_size > 1)
+    sharding: str | None = None  # the cache's sharding preset or rules file (default: chosen from config.json)
 
     @property
     def engine(self) -> str | None:
@@ -75,7 +76,7 @@ class EngineOptions:
 
     def spec(self) -> CacheSpec:
         return CacheSpec(model=self.model, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                         quantization=self.quantization, dtype=self.dtype)
+                         quantization=self.quantization, dtype=self.dtype, sharding=self.sharding)
 
 
 class BadRequest(Exception):
