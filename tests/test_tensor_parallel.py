@@ -26,7 +26,7 @@ from weightcache_agent import CacheSpec, agent_status, protocol
 from weightcache_agent.client.session import map_arena
 from weightcache_agent.engine.server import EngineOptions, load_model
 from weightcache_agent.engine.tp_engine import check_tp_options
-from weightcache_agent.errors import CheckpointError
+from weightcache_agent.errors import CheckpointError, WeightCacheError
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.load.loader import load_cache
 from weightcache_agent.serve.process_group import ProcessGroup
@@ -150,6 +150,11 @@ def test_tp2_groups_fail_over_whole(model, workdir):
             assert ("local warm-up" in at) == overlapped and "attach path prepared" in at, at
             assert set(health["attach_phases"]) == {"request", "round trip", "map", "bind"}
         wait_until(lambda: "rank 1 start-up (seconds since process start)" in ranks[1].log(), 10)
+        # Only rank 0's agent decides for the replica; an engine id that is no id is refused, saying what.
+        with pytest.raises(WeightCacheError, match="goes to rank 0's agent"):
+            protocol.agent_request(sockets[1], {"type": "group_claim", "group": "g", "engine": "x"})
+        with pytest.raises(WeightCacheError, match="engine must be null or an id"):
+            standby_lease(sockets[0], CacheSpec(model=model, tp_size=2, tp_rank=0), "g", "../x")
         # Role auto, decided for the whole engine: the first engine is primary on both ranks.
         assert primary.get("/readyz")[0] == 200 and standby.get("/readyz")[0] == 503
         assert roles(sockets, "g", names) == [{"primary": ["primary"], "standby": ["standby"]},
@@ -197,6 +202,7 @@ def standby_lease(sock: str, spec: CacheSpec, group: str, engine: str) -> "socke
     reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
     for fd in fds:
         os.close(fd)
+    protocol.raise_on_error(reply, sock)
     assert reply["type"] == "manifest" and reply["role"] == "standby", reply
     return conn
 

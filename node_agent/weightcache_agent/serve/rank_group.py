@@ -59,7 +59,6 @@ class RankGroup:
         self.agent, self.sockets, self.rank = agent, sockets, rank
         self._lock = threading.Lock()  # the coordinator decides one claim or loss at a time
         self._elected: dict[str, tuple[str, float]] = {}  # group -> (engine, when), until its leases show
-        self.promotions: list[dict[str, Any]] = []  # the coordinator's group promotions, newest last (bounded)
 
     @property
     def coordinator(self) -> bool:
@@ -138,7 +137,6 @@ class RankGroup:
         seconds = time.perf_counter() - started
         failed = [r for r in replies if not r["ok"]]
         done = {"group": group, "from": engine, "to": successor, "seconds": seconds, "ok": not failed}
-        self.promotions = (self.promotions + [done])[-64:]
         if failed:
             log.error("group %s: promoting engine %s failed on rank(s) %s: %s", group, successor,
                       ", ".join(str(r["rank"]) for r in failed), "; ".join(str(r["message"]) for r in failed))
