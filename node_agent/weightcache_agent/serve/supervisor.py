@@ -3,7 +3,10 @@
 `weightcache agent --socket-dir DIR --tp-size N --devices all ...` runs here. Each rank
 gets its own worker process -- a plain single-socket agent (`weightcache agent --socket
 DIR/<GPU-UUID>.sock --tp-rank R ...`) with its own arena -- so a crash in one rank's
-loader or CUDA context cannot take the others' memory with it.
+loader or CUDA context cannot take the others' memory with it. With `--tp-size` > 1 each
+worker is also given its replica's rank sockets (`--rank-sockets`): rank 0's worker decides
+roles and failovers for the whole replica, so every rank promotes the same engine
+(rank_group.py).
 
 Data flow, all on the main thread (the only thread that ever starts a worker, because
 a worker's parent-death signal fires when the *thread* that forked it exits):
