@@ -19,7 +19,8 @@ examples/engineset-chat.yaml (on the cache of qwen-pvc-tp2.yaml, as the README's
 quick start applies them) must reach serving: the cache Ready, the Service's EndpointSlice
 listing one ready serving engine per group, each a TP=2 reference engine started by the
 one-command launcher (its ranks attaching with the cache's sharding rules, which the operator
-injects), answering /generate; no pod restarted. examples/llama-70b-tp8-fp8.yaml
+injects), answering /generate; no pod restarted. Then a serving pod is SIGKILLed: its group's
+standby pod is promoted on both ranks and listed by the EndpointSlice. examples/llama-70b-tp8-fp8.yaml
 needs eight H200s and a 70B FP8 checkpoint: here it is applied, accepted by the API server's
 schema and CEL rules, and rendered into its agent DaemonSet (TP 8, fp8-block), which runs
 no pod because no node has that GPU product -- so nothing crash-loops.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import sys
@@ -196,6 +198,21 @@ def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
                                         timeout=60) as response:
                 answer = json.load(response)
             assert answer["role"] == "primary" and len(answer["tokens"]) == 4, answer
+
+        # A TP=2 failover in pods: SIGKILL of a serving pod (its launcher and both ranks); both ranks of
+        # the group's standby pod are promoted together, and the Service lists it.
+        victim = min(endpoints)
+        killed = time.monotonic()
+        kubelet.kill(NS, victim)
+
+        def successor() -> str | None:
+            now = serving()
+            return next((n for n in now or {} if e2e_bench.group_of(n) == e2e_bench.group_of(victim)
+                         and n != victim), None)
+        promoted = wait_for(successor, timeout=30, interval=0.01, what="the standby pod serving")
+        # The operator's runner holds sys.stdout: write to the descriptor.
+        os.write(1, f"\nTP=2 pod failover: SIGKILL of {victim} -> EndpointSlice lists {promoted} in "
+                    f"{(time.monotonic() - killed) * 1e3:.0f} ms\n".encode())
 
 
 def delete_examples(lab: Lab) -> None:
