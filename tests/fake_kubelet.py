@@ -40,7 +40,8 @@ Several pods of several nodes share this machine's filesystem and loopback, wher
 cluster gives each pod its own mounts and network namespace. Three options stand in
 for that (all off by default): ``host_root`` gives each node a directory of its own,
 and a ``hostPath`` volume of a pod is that node's ``<host_root>/<node><path>``
-(created for ``DirectoryOrCreate``), a ``secret`` or ``configMap`` volume is written out
+(created for ``DirectoryOrCreate``), a ``persistentVolumeClaim`` volume is that node's
+``<host_root>/<node>/pvc/<claimName>`` (what the test puts there is the claim's content), a ``secret`` or ``configMap`` volume is written out
 as files when the container starts, and the volume's ``mountPath`` is replaced by that
 directory in command, args and env values, so a process finds at its host path what the
 container would find at the mount; a container that names ``$(HOST_PORT_<NAME>)`` (its port
@@ -299,6 +300,8 @@ class FakeKubelet:
                 local = self._projected(run, m["name"], volume)
             elif "projected" in volume:
                 local = self._projected_tokens(run, m["name"], volume["projected"])
+            elif "persistentVolumeClaim" in volume:  # the claim's contents: a directory the test fills
+                local = self.host_path(spec.get("nodeName", ""), f"/pvc/{volume['persistentVolumeClaim']['claimName']}")
             else:
                 continue
             out.append((m["mountPath"].rstrip("/") or "/", str(local)))

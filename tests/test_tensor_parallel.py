@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from weightcache_agent import CacheSpec, agent_status, protocol
 from weightcache_agent.client.session import map_arena
 from weightcache_agent.engine.server import EngineOptions, load_model
 from weightcache_agent.engine.tp_engine import check_tp_options
-from weightcache_agent.errors import CheckpointError
+from weightcache_agent.errors import CheckpointError, WeightCacheError
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.load.loader import load_cache
 from weightcache_agent.serve.process_group import ProcessGroup
@@ -89,8 +90,8 @@ def test_tp2_forward_on_gloo_equals_tp1(model, workdir):
 def test_tp_engine_options_are_checked():
     opts = dict(model="m", tp_size=2, tp_rank=1, dist_init="tcp://127.0.0.1:29500")
     check_tp_options(EngineOptions(**opts))
-    with pytest.raises(ValueError, match="--role auto cannot be used with --tp-size > 1"):
-        check_tp_options(EngineOptions(**opts, role="auto"))
+    check_tp_options(EngineOptions(**opts, role="auto"))  # the ranks' agents decide the role together
+    assert EngineOptions(**opts).engine == "tcp://127.0.0.1:29500"  # one id on every rank of the engine
     with pytest.raises(ValueError, match="needs --dist-init tcp://HOST:PORT"):
         check_tp_options(EngineOptions(**{**opts, "dist_init": None}))
     with pytest.raises(ValueError, match="must be tcp://HOST:PORT"):
@@ -112,23 +113,32 @@ def test_fp8_block_straddling_two_ranks_is_refused(workdir):
 
 
 def test_tp2_groups_fail_over_whole(model, workdir):
-    """Primary and standby TP=2 engines on one node supervisor: kill one primary rank, the standby group serves."""
+    """Primary and standby TP=2 engines (role auto; the standby's ranks started by the one-command
+    launcher, as in a pod) on one node supervisor: kill -9 every process of the primary, and both ranks
+    promote the standby engine -- not, on rank 1, an older standby attached on that
+    rank only, which each rank deciding alone would pick."""
     node = Node(model, os.path.join(workdir, "node"), tp_size=2)
     group = ProcessGroup(os.path.join(workdir, "engines"))
+    partial = None
     try:
         status = node.wait(lambda s: s["phase"] == "Ready", "two ready ranks")
+        sockets = [rank["socket"] for rank in status["ranks"]]
         env = {"WEIGHTCACHE_SOCKET_DIR": node.socket_dir, "WEIGHTCACHE_DEVICES": ",".join(status["gpuUUIDs"]),
                "OMP_NUM_THREADS": "1"}
-        engines = {}
-        # The standby group starts its steps one after another, the primary group overlapped: both must serve.
-        for role, start in (("primary", "overlapped"), ("standby", "sequential")):
-            init = rendezvous()
-            engines[role] = [group.start_engine(model, f"{role}{r}", role=role, group="g",
-                                                env={**env, "WEIGHTCACHE_ENGINE_START": start},
-                                                extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init])
-                             for r in range(2)]
-        primary, standby = engines["primary"][0], engines["standby"][0]
+        # The primary: one process per rank, started by hand, its steps overlapped.
+        init = rendezvous()
+        names = {init: "primary", "standby": "standby", "partial": "partial"}
+        ranks = [group.start_engine(model, f"primary{r}", role="auto", group="g", env=env,
+                                    extra=["--tp-size", "2", "--tp-rank", str(r), "--dist-init", init])
+                 for r in range(2)]
+        primary = ranks[0]
         primary.wait_serving(120)
+        # An older standby on rank 1 alone: never complete, so never the one promoted.
+        partial = standby_lease(sockets[1], CacheSpec(model=model, tp_size=2, tp_rank=1), "g", "partial")
+        # The standby: as in a pod, one command starts both ranks (their steps one after another).
+        standby = group.start_engine(model, "standby", role="auto", group="g", extra=["--tp-size", "2"],
+                                     env={**env, "WEIGHTCACHE_ENGINE_START": "sequential",
+                                          "WEIGHTCACHE_ENGINE_ID": "standby"})
         standby.wait_serving(120)
         # Where each rank 0's start-up went, in the order it happened (seconds since its process started).
         for engine, overlapped in ((primary, True), (standby, False)):
@@ -139,33 +149,74 @@ def test_tp2_groups_fail_over_whole(model, workdir):
             assert [at[s] for s in steps] == sorted(at[s] for s in steps) and at["flags checked"] > 0, at
             assert ("local warm-up" in at) == overlapped and "attach path prepared" in at, at
             assert set(health["attach_phases"]) == {"request", "round trip", "map", "bind"}
-        wait_until(lambda: "rank 1 start-up (seconds since process start)" in engines["primary"][1].log(), 10)
+        wait_until(lambda: "rank 1 start-up (seconds since process start)" in ranks[1].log(), 10)
+        # Only rank 0's agent decides for the replica; an engine id that is no id is refused, saying what.
+        with pytest.raises(WeightCacheError, match="goes to rank 0's agent"):
+            protocol.agent_request(sockets[1], {"type": "group_claim", "group": "g", "engine": "x"})
+        with pytest.raises(WeightCacheError, match="engine must be null or an id"):
+            standby_lease(sockets[0], CacheSpec(model=model, tp_size=2, tp_rank=0), "g", "../x")
+        # Role auto, decided for the whole engine: the first engine is primary on both ranks.
         assert primary.get("/readyz")[0] == 200 and standby.get("/readyz")[0] == 503
+        assert roles(sockets, "g", names) == [{"primary": ["primary"], "standby": ["standby"]},
+                                       {"primary": ["primary"], "standby": ["standby"], "partial": ["standby"]}]
         _, reference = tp1_reference(model, "none")
         code, body = primary.generate(PROMPT, 6)
         assert code == 200 and body["tokens"] == reference
 
         killed = time.monotonic()
-        engines["primary"][1].kill()
+        for rank in ranks:
+            rank.kill()  # SIGKILL
         while True:
             code, body = standby.generate(PROMPT, 6)
             if code == 200:
                 break
             assert code == 503, body
-            assert time.monotonic() - killed < 10, "the standby group did not take over"
+            assert time.monotonic() - killed < 10, "the standby engine did not take over"
             time.sleep(0.002)
+        serving = time.monotonic() - killed
         assert body["tokens"] == reference and body["role"] == "primary"
-        # The surviving primary rank retired on its own: lease ended, exit status 0.
-        wait_until(lambda: not primary.alive(), 10)
-        assert primary.proc.returncode == 0 and "retiring: rank 1 left" in primary.log()
-        # Each GPU's agent now has exactly one lease: the standby group's rank, as primary.
-        standby_pids = {e.pid for e in engines["standby"]}
-        for rank in status["ranks"]:
-            leases = [(c["pid"], c["role"]) for c in agent_status(rank["socket"])["clients"]]
-            assert len(leases) == 1 and leases[0][0] in standby_pids and leases[0][1] == "primary", leases
+        # Each rank's agent holds the standby engine's rank as primary; the partial standby stays one.
+        assert roles(sockets, "g", names) == [{"standby": ["primary"]}, {"standby": ["primary"], "partial": ["standby"]}]
+        logged = node.log()
+        assert "is primary on all 2 ranks in" in logged, logged[-3000:]
+        print(f"\nTP=2 group promotion: kill -9 of the primary's 2 processes -> standby engine serving in "
+              f"{serving * 1e3:.0f} ms")
+        assert serving < 5.0, serving
+        # The launcher keeps its ranks together: SIGTERM stops both, cleanly.
+        standby.kill(signal.SIGTERM)
+        assert standby.proc.wait(60) == 0, standby.log_tail()
+        wait_until(lambda: not any(lease["group"] == "g" and lease["engine"] == "standby"
+                                   for sock in sockets for lease in agent_status(sock)["clients"]), 10)
     finally:
+        if partial is not None:
+            partial.close()
         group.close()
         node.stop()
+
+
+def standby_lease(sock: str, spec: CacheSpec, group: str, engine: str) -> "socket.socket":
+    """A standby lease of engine `engine` held by this process on one rank's agent (the connection is the lease)."""
+    conn = protocol.connect(sock)
+    protocol.send_message(conn, {"type": "attach", "pid": os.getpid(), "role": "standby", "group": group,
+                                 "pod": None, "engine": engine, "request": engine_request(spec)})
+    reply, fds = protocol.recv_message(conn, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    for fd in fds:
+        os.close(fd)
+    protocol.raise_on_error(reply, sock)
+    assert reply["type"] == "manifest" and reply["role"] == "standby", reply
+    return conn
+
+
+def roles(sockets: list[str], group: str, names: dict[str, str]) -> list[dict[str, list[str]]]:
+    """Per rank: each engine of `group` (by its name in `names`, keyed by engine id) -> its leases' roles."""
+    out = []
+    for sock in sockets:
+        by_engine: dict[str, list[str]] = {}
+        for lease in agent_status(sock)["clients"]:
+            if lease["group"] == group:
+                by_engine.setdefault(names.get(lease["engine"], lease["engine"]), []).append(lease["role"])
+        out.append(by_engine)
+    return out
 
 
 def arena_bytes(sock: str, spec: CacheSpec) -> torch.Tensor:

@@ -13,7 +13,8 @@ Messages (client -> agent):
   {"type": "attach", "pid", "role", "group", "pod", "identity_token"?, "request"} -> {"type": "manifest", ...}
       + fds, then the connection is the lease; the agent may later send {"type": "promote"} or
       {"type": "demote"}. role "auto": primary when the group has none, else standby. pod:
-      {namespace, name, uid} or null. identity_token: the engine pod's projected service-account
+      {namespace, name, uid} or null. engine: null or an id naming the engine across its
+      tensor-parallel ranks (the pod's uid is used instead when a pod is named). identity_token: the engine pod's projected service-account
       token (audience weightcache.io); an agent in a cluster takes the pod from it, not from "pod".
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
@@ -31,7 +32,12 @@ Messages (client -> agent):
   {"type": "switchover", "group", "to_pod" | "to_pid"} -> {"type": "switched", ...}: a planned handover
       (privileged peers only): that standby is promoted and the group's primary demoted in one
       step; they get {"type": "promote"} and {"type": "demote"} on their leases. With neither
-      to_pod nor to_pid, the primary is only demoted (another agent's engine took over).
+      to_pod nor to_pid, the primary is only demoted (another agent's engine took over). "to_engine"
+      names the standby by its engine key (what group promotion across ranks sends).
+  {"type": "group_claim", "group", "engine"} -> {"type": "group_role", "role"};
+  {"type": "group_lost", "group", "engine"}  -> {"type": "group_promoted", "engine"}: one rank's agent
+      asks rank 0's agent of its tensor-parallel replica (privileged peers only) to decide an auto
+      role, or to promote the group's next engine on every rank (serve/rank_group.py).
   {"type": "rejoin", "role", "group", "pod", "token", "fields", "fingerprint", "layout_hash", "arenas"} + fds
       -> {"type": "rejoined", "adopted": bool, "rejoin_token"}: an engine that outlived its agent
       reconnects and offers the arena it still maps; a restarted agent adopts it instead of reading

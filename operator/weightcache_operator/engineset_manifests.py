@@ -37,6 +37,8 @@ from .manifests import (
     LABEL_MANAGED_BY,
     MANAGED_BY,
     MODEL_MOUNT,
+    SHARDING_FILE,
+    configmap_name,
     content_hash,
     model_dir,
     socket_dir,
@@ -59,6 +61,8 @@ CLAIM_REF = "weightcache-gpus"
 SOCKET_VOLUME = "weightcache-sockets"
 MODEL_VOLUME = "weightcache-models"
 IDENTITY_VOLUME = "weightcache-identity"
+SHARDING_VOLUME = "weightcache-sharding"
+SHARDING_MOUNT = "/etc/weightcache-sharding"
 IDENTITY_MOUNT = "/var/run/secrets/weightcache.io"
 IDENTITY_AUDIENCE = "weightcache.io"
 IDENTITY_TOKEN_SECONDS = 3600  # the kubelet renews it at 80% of this
@@ -66,7 +70,7 @@ CLAIM_REQUEST = "gpus"
 ENV_NAMES = (
     "WEIGHTCACHE_SOCKET_DIR", "WEIGHTCACHE_DEVICES", "WEIGHTCACHE_GROUP", "WEIGHTCACHE_ROLE", "WEIGHTCACHE_MODEL",
     "WEIGHTCACHE_POD_NAME", "WEIGHTCACHE_POD_NAMESPACE", "WEIGHTCACHE_POD_UID", "WEIGHTCACHE_IDENTITY_TOKEN",
-    "NVIDIA_VISIBLE_DEVICES",
+    "WEIGHTCACHE_SHARDING", "NVIDIA_VISIBLE_DEVICES",
 )
 
 
@@ -141,7 +145,7 @@ def _strip_gpu_resource(resources: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement, model: str,
+def _env(es: EngineSetSpec, cs: CacheSpec, namespace: str, name: str, p: Placement, model: str,
          role: str = "auto") -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
@@ -157,6 +161,12 @@ def _env(es: EngineSetSpec, namespace: str, name: str, p: Placement, model: str,
         {"name": "WEIGHTCACHE_POD_UID", "valueFrom": field("metadata.uid")},
         {"name": "WEIGHTCACHE_IDENTITY_TOKEN", "value": f"{IDENTITY_MOUNT}/token"},
     ]
+    # The cache's sharding, which an engine's attach must name to match its fingerprint: a preset by
+    # name, explicit rules as the file the agent reads too (its ConfigMap, mounted).
+    if cs.sharding_rules:
+        env.append({"name": "WEIGHTCACHE_SHARDING", "value": f"{SHARDING_MOUNT}/{SHARDING_FILE}"})
+    elif cs.sharding_preset:
+        env.append({"name": "WEIGHTCACHE_SHARDING", "value": cs.sharding_preset})
     if es.mode == "visibleDevices":
         env.append({"name": "NVIDIA_VISIBLE_DEVICES", "value": ",".join(p.gpus)})
     return env
@@ -192,20 +202,22 @@ def render_pod(
     annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p),
                    ANNOTATION_MODEL: model_label(cs)}
 
-    ours = _env(es, namespace, name, p, model_dir(cs), role)
+    ours = _env(es, cs, namespace, name, p, model_dir(cs), role)
     # The socket directory read-only: connect() works through a read-only mount, while
     # unlinking or renaming the socket, its lock or its state file does not.
     mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets, "readOnly": True},
               {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
               {"name": IDENTITY_VOLUME, "mountPath": IDENTITY_MOUNT, "readOnly": True}]
-    ours_volumes = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME)
+    if cs.sharding_rules:
+        mounts.append({"name": SHARDING_VOLUME, "mountPath": SHARDING_MOUNT, "readOnly": True})
+    ours_volumes = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME, SHARDING_VOLUME)
     containers = []
     for c in spec["containers"]:
         c = dict(c)
         c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + ours
         c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
                              if m.get("name") not in ours_volumes
-                             and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT)] + mounts
+                             and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT, SHARDING_MOUNT)] + mounts
         resources = _strip_gpu_resource(c.get("resources") or {})
         if es.mode == "dra":
             claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
@@ -231,6 +243,8 @@ def render_pod(
         {"name": IDENTITY_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
             "audience": IDENTITY_AUDIENCE, "expirationSeconds": IDENTITY_TOKEN_SECONDS, "path": "token"}}]}},
     ]
+    if cs.sharding_rules:  # the rules the cache's agents read, from the ConfigMap the operator keeps for them
+        spec["volumes"].append({"name": SHARDING_VOLUME, "configMap": {"name": configmap_name(es.cache_name)}})
     spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), HOSTNAME_LABEL: p.node}
     tolerations = list(spec.get("tolerations") or [])
     if GPU_TOLERATION not in tolerations:

@@ -34,7 +34,7 @@ from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
 from . import early
-from .env import (ENV_DEVICES, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
+from .env import (ENV_DEVICES, ENV_ENGINE, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   identity_token_from_env, pod_from_env, socket_from_env)
 from .materialize import Adjust, Materialize, Pending, bind as bind_adjusted
 from .rebind import bind_manifest, survey
@@ -111,7 +111,7 @@ class Attachment:
                  conn: socketlib.socket | None = None, fds: list[int] | None = None, arenas: list[dict] | None = None,
                  on_promote: Callable[["Attachment"], None] | None = None,
                  on_demote: Callable[["Attachment"], None] | None = None, pod: dict[str, str] | None = None,
-                 rejoin_token: str | None = None, phases: dict[str, float] | None = None):
+                 rejoin_token: str | None = None, phases: dict[str, float] | None = None, engine: str | None = None):
         self.source = source  # "agent" or "disk"
         # Why the weights came from disk although an agent was asked (attach with fallback=True); None otherwise.
         self.fallback_reason: str | None = None
@@ -135,6 +135,7 @@ class Attachment:
         self._rejoin_token = rejoin_token  # proves to a restarted agent that this engine held a lease
         self._on_demote = on_demote
         self.pod = pod
+        self.engine = engine
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
         if conn is not None:
@@ -184,7 +185,7 @@ class Attachment:
                 conn.settimeout(30)
                 identity = identity_token_from_env()
                 protocol.send_message(conn, {"type": "rejoin", "pid": os.getpid(), "role": self.role, "group": self.group,
-                                             "pod": self.pod, "token": self._rejoin_token,
+                                             "pod": self.pod, "engine": self.engine, "token": self._rejoin_token,
                                              **({"identity_token": identity} if identity else {}),
                                              "fields": self.fields, "fingerprint": self.fingerprint,
                                              "layout_hash": self.layout_hash, "arenas": self._arenas}, self._fds)
@@ -240,7 +241,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
            strict: bool = True, timeout: float = 600.0,
            on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
            materialize: Materialize | Callable[[nn.Module, Pending], None] | None = None,
-           cast_small: bool = False) -> Attachment:
+           cast_small: bool = False, engine: str | None = None) -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     Every parameter and buffer of `module` ends up a read-only view into the agent's
@@ -270,6 +271,10 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         `$WEIGHTCACHE_ROLE`, else "primary". A second primary in a group is refused.
     group: the hot-standby group this engine belongs to; standbys of a group take over
         from its primary. Default `$WEIGHTCACHE_GROUP`, else none (no failover).
+    engine: names this engine across its tensor-parallel ranks, the same on every rank and unique
+        among the engines of the node (default `$WEIGHTCACHE_ENGINE_ID`; ignored where the
+        engine names its pod, whose uid is used): the ranks' agents then promote the same
+        engine on every rank.
     on_promote: called as `on_promote(attachment)` on the lease's thread when the agent
         promotes this standby to primary, before the agent tells anyone it serves: start
         taking requests here. Keep it short and let nothing escape it: the agent waits
@@ -305,7 +310,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         early.wait()  # the attach path warmed while the engine started: done before the timer matters
     adjust = Adjust.of(materialize, cast_small)
     attachment = _attach(module, spec, socket, mode, fallback, role, group, on_promote, strict, timeout, on_demote,
-                         copy_on_write, adjust)
+                         copy_on_write, adjust, engine or os.environ.get(ENV_ENGINE) or None)
     if adjust is not None:
         attachment.computed, attachment.cast = adjust.computed, adjust.cast
     return attachment
@@ -313,7 +318,8 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
 
 def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, fallback: bool, role: str | None,
             group: str | None, on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
-            on_demote: Callable[[Attachment], None] | None, copy_on_write: bool, adjust: Adjust | None) -> Attachment:
+            on_demote: Callable[[Attachment], None] | None, copy_on_write: bool, adjust: Adjust | None,
+            engine: str | None = None) -> Attachment:
     if mode == "off":
         return _attach_from_disk(module, spec, strict, copy_on_write, adjust)
     socket = socket or socket_from_env(spec.tp_rank)
@@ -328,7 +334,7 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
         else:
             conn = protocol.connect(socket)
         return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, copy_on_write,
-                            adjust)
+                            adjust, engine)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
@@ -369,7 +375,7 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
                  on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
                  on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
-                 adjust: Adjust | None = None) -> Attachment:
+                 adjust: Adjust | None = None, engine: str | None = None) -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
@@ -378,7 +384,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         conn.settimeout(timeout)
         request = engine_request(spec)
         phases["request"] = time.perf_counter() - started
-        _send_attach(conn, role, group, pod, request)
+        _send_attach(conn, role, group, pod, request, engine)
         # The module as the bind will find it, walked while the agent prepares its answer.
         surveyed = survey(module) if adjust is None else None
         reply, fds = _manifest_reply(conn)
@@ -388,7 +394,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             conn.close()
             conn = protocol.connect(path)
             conn.settimeout(timeout)
-            _send_attach(conn, role, group, pod, engine_request(spec, with_revision=True))
+            _send_attach(conn, role, group, pod, engine_request(spec, with_revision=True), engine)
             reply, fds = _manifest_reply(conn)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}),
@@ -414,13 +420,14 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
                       nbytes=reply["bytes"], tensors=tensors,
                       seconds=time.perf_counter() - started, layout_hash=reply["layout_hash"], role=reply["role"],
                       group=group, conn=conn, fds=fds, arenas=reply["arenas"], on_promote=on_promote,
-                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"), phases=phases)
+                      on_demote=on_demote, pod=pod, rejoin_token=reply.get("rejoin_token"), phases=phases,
+                      engine=engine)
 
 
 def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
-                 request: dict[str, Any]) -> None:
+                 request: dict[str, Any], engine: str | None = None) -> None:
     message = {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod, "request": request,
-               "manifest": "packed"}
+               "manifest": "packed", "engine": engine}
     identity = identity_token_from_env()  # in a pod: the proof of which pod this is (never sent off Kubernetes)
     if identity:
         message["identity_token"] = identity

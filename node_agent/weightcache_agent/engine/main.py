@@ -4,7 +4,8 @@ Order matters for operators: the HTTP server binds first (so /healthz answers an
 chosen port is known while weights arrive), then the weights are attached, then the
 engine warms up and /readyz turns 200 (a primary) or stays 503 until promotion (a
 standby). Exit status: 0 after a clean shutdown, 1 when loading or attaching failed
-(including a refused second primary), 2 for bad flags.
+(including a refused second primary), 2 for bad flags. With `--tp-size N` and no
+`--tp-rank`, this process is the launcher of all N ranks (engine/launch.py).
 """
 from __future__ import annotations
 
@@ -30,12 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
         "Llama/Qwen2/Mistral decoder, any other causal LM through transformers. POST /generate takes and returns "
         "token ids (it has no tokenizer).",
         examples=["weightcache engine --model /models/llama-3-8b --socket /run/weightcache/llama.sock --port 8000",
+                  "weightcache engine --model /models/qwen --tp-size 2 --port 8000  # one process per rank",
                   "curl -s localhost:8000/generate -d '{\"tokens\": [1, 450, 4996], \"max_tokens\": 16}'  "
                   "# token ids in and out: the reference engine has no tokenizer"],
         env={"WEIGHTCACHE_MODEL": "the checkpoint directory, when --model is not given (set in EngineSet pods)",
              "WEIGHTCACHE_SOCKET": "the agent's socket, when --socket is not given",
              "WEIGHTCACHE_SOCKET_DIR, WEIGHTCACHE_DEVICES": "else: the socket of this rank's GPU (set in EngineSet pods)",
              "WEIGHTCACHE_ROLE, WEIGHTCACHE_GROUP": "defaults of --role and --group",
+             "WEIGHTCACHE_ENGINE_ID": "default of --engine-id",
+             "WEIGHTCACHE_SHARDING": "default of --sharding (set in EngineSet pods)",
              "WEIGHTCACHE_POD_NAMESPACE, _NAME, _UID": "this pod, for the agent's serving label (set in EngineSet pods)",
              "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (--mode off, --fallback)",
              "WEIGHTCACHE_ENGINE_START": "overlapped (default) | sequential: start-up steps side by side, or one "
@@ -60,7 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port, see --port-file)")
     p.add_argument("--port-file", help="write the bound HTTP port here once listening")
     p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel size the agent serves")
-    p.add_argument("--tp-rank", type=int, default=0, help="this engine's rank")
+    p.add_argument("--tp-rank", type=int, default=None,
+                   help="this process's rank; left out with --tp-size > 1, this process starts every rank (one "
+                        "process each, as in a pod) and keeps them together")
+    p.add_argument("--sharding", default=os.environ.get("WEIGHTCACHE_SHARDING") or None,
+                   help="the cache's sharding preset or rules file, as the agent was given it (default: "
+                        "$WEIGHTCACHE_SHARDING, which an EngineSet sets from its cache; else chosen from config.json)")
+    p.add_argument("--engine-id", default=os.environ.get("WEIGHTCACHE_ENGINE_ID") or None,
+                   help="names this engine on every rank, so that the ranks' agents promote it together (default: "
+                        "$WEIGHTCACHE_ENGINE_ID, else --dist-init with --tp-size > 1; in a pod its uid is used)")
     p.add_argument("--dist-init", help="tcp://HOST:PORT where the ranks of a tensor-parallel engine meet (PORT+1 "
                                        "carries rank 0's requests to the others); the same on every rank")
     add_quantization_flag(p)
@@ -94,6 +106,11 @@ def main(argv: list[str]) -> int:
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
 
+    if args.tp_size > 1 and args.tp_rank is None:
+        from .launch import launch
+
+        return launch(argv, args.tp_size, args.dist_init, args.drain_seconds)
+    args.tp_rank = args.tp_rank or 0
     from .startup import begin
 
     if args.mode != "off":
@@ -116,7 +133,8 @@ def main(argv: list[str]) -> int:
     options = EngineOptions(
         model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
         tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
-        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init)
+        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init,
+        engine_id=args.engine_id, sharding=args.sharding)
     if args.tp_size > 1 and args.tp_rank > 0:
         return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
     try:

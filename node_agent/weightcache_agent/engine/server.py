@@ -48,6 +48,7 @@ log = logging.getLogger("weightcache.engine")
 MAX_BODY_BYTES = 1 << 20
 REQUEST_TIMEOUT = 30.0  # seconds a client may leave a request unfinished
 ROLES = ("primary", "standby", "auto")
+RANKS_WAIT = 0.5  # seconds a promoted rank 0 waits for the other ranks' promotions (under the agent's 1 s)
 
 
 @dataclass(frozen=True)
@@ -65,10 +66,17 @@ class EngineOptions:
     max_context: int | None = None  # prompt + new tokens; default: the model's max_position_embeddings
     max_new_tokens: int = 256
     dist_init: str | None = None  # tcp://HOST:PORT of the tensor-parallel rendezvous (tp_size > 1)
+    engine_id: str | None = None  # names the engine across its ranks (default: dist_init when tp_size > 1)
+    sharding: str | None = None  # the cache's sharding preset or rules file (default: chosen from config.json)
+
+    @property
+    def engine(self) -> str | None:
+        """What the agents know this engine by on every rank: one id for all its ranks (group promotion)."""
+        return self.engine_id or (self.dist_init if self.tp_size > 1 else None)
 
     def spec(self) -> CacheSpec:
         return CacheSpec(model=self.model, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                         quantization=self.quantization, dtype=self.dtype)
+                         quantization=self.quantization, dtype=self.dtype, sharding=self.sharding)
 
 
 class BadRequest(Exception):
@@ -158,6 +166,7 @@ class Engine:
         self.promoted_at: float | None = None
         self.requests = 0
         self._lock = threading.Lock()  # one forward at a time: CPU threads are shared anyway
+        self._roles = threading.Condition()  # the tensor-parallel role, as the ranks report theirs
         self.tp: TensorParallelLeader | None = None  # rank 0 of a tensor-parallel engine: its peers
         self._start: LeaderStart | None = None  # rank 0, until its peers joined
 
@@ -181,7 +190,7 @@ class Engine:
                 self._start = LeaderStart(opts, device or torch.device("cpu"))
             model, self.attachment = load_model(self.spec, mode=opts.mode, socket=opts.socket, fallback=opts.fallback,
                                                 role=opts.role, group=opts.group, on_promote=self._on_promote,
-                                                on_demote=self._on_demote)
+                                                on_demote=self._on_demote, engine=opts.engine)
             PHASES.mark("attached")
             self.role = self.attachment.role
             log.info("attached %s from %s in %.2f ms (%d tensors, %.1f MiB, role=%s, group=%s); phases %s",
@@ -238,7 +247,9 @@ class Engine:
 
     def _update_role(self) -> None:
         if self.tp is not None and self.attachment is not None:
-            previous, self.role = self.role, self.tp.role()
+            with self._roles:
+                previous, self.role = self.role, self.tp.role()
+                self._roles.notify_all()
             if previous != self.role:
                 log.warning("tensor-parallel engine is %s now (primary only while every rank is); %s", self.role,
                             "serving traffic" if self.ready else "not serving")
@@ -248,6 +259,14 @@ class Engine:
         previous = self.role
         self.role = attachment.role
         self._update_role()  # tensor parallel: primary only once every rank is
+        if self.tp is not None and self.role != "primary":
+            # A group promotion promotes the other ranks first, so their reports are on the way over the
+            # rank link: wait for them, so that this rank's acknowledgement -- after which the agent moves
+            # the serving label -- means the whole engine serves.
+            deadline = time.monotonic() + RANKS_WAIT
+            with self._roles:
+                while self.role != "primary" and (left := deadline - time.monotonic()) > 0:
+                    self._roles.wait(left)
         self.promoted_at = time.monotonic()
         if self.role != attachment.role:  # tensor parallel, other ranks still standby
             log.warning("PROMOTED: rank 0 of group %s; serving once every rank is primary", self.options.group)

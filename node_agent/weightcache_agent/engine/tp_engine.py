@@ -34,9 +34,6 @@ def check_tp_options(options: Any) -> None:
     """Refuse what cannot make a consistent tensor-parallel engine (ValueError, one line)."""
     if not 0 <= options.tp_rank < options.tp_size:
         raise ValueError(f"--tp-rank {options.tp_rank} is outside [0, {options.tp_size})")
-    if options.role == "auto":
-        raise ValueError("--role auto cannot be used with --tp-size > 1: each rank's agent would decide on its own, "
-                         "and the ranks could end up with different roles; pass primary or standby")
     if not options.dist_init:
         raise ValueError("--tp-size > 1 needs --dist-init tcp://HOST:PORT, the same on every rank of the engine")
     parse_init(options.dist_init)
@@ -159,7 +156,7 @@ def follow(options: Any, load_model: Callable[..., Any], prepare_device: Callabl
     try:
         model, attachment = load_model(options.spec(), mode=options.mode, socket=options.socket,
                                        fallback=options.fallback, role=options.role, group=options.group,
-                                       on_promote=on_role, on_demote=on_role)
+                                       on_promote=on_role, on_demote=on_role, engine=options.engine)
         PHASES.mark("attached")
         log.info("rank %d: attached %d tensors (%.1f MiB) from %s in %.2f ms, role=%s; phases %s", rank,
                  len(attachment.tensors), attachment.bytes / 2**20, attachment.source, attachment.seconds * 1e3,

@@ -63,6 +63,7 @@ from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, c
                      read_private, write_private)
 from .integrity import SCRUB_INTERVAL, Scrubber
 from .pod_identity import IdentityRefused, PodVerifier, group_namespace
+from .rank_group import RankGroup
 from .prepared_record import RecordedCache, read_record, write_record
 from .sidecar import sidecar_path
 
@@ -105,6 +106,8 @@ class Lease:
     uid: int = -1
     token_hash: str = ""  # sha256 of the rejoin token handed to this engine
     pod: dict[str, str] | None = None  # the engine's pod (labels follow roles by it)
+    # The engine across ranks (serve/rank_group.py): its pod's uid, else the id the client sent.
+    engine: str | None = None
     verified: bool = False  # pod proven by a token the API server vouched for (else the client's word)
     since: float = field(default_factory=time.time)
     send_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,7 +129,7 @@ class Lease:
     def to_json(self) -> dict[str, Any]:
         role = "promoting" if self.promoting.is_set() else "primary" if self.demoting.is_set() else self.role
         return {"id": self.id, "pid": self.pid, "uid": self.uid, "role": role, "group": self.group, "pod": self.pod,
-                "verified": self.verified, "attached_at": self.since}
+                "engine": self.engine, "verified": self.verified, "attached_at": self.since}
 
     def record(self) -> dict[str, Any]:
         """What the state file keeps of this lease: enough to recognise its engine after a restart."""
@@ -145,8 +148,12 @@ class Agent:
                  on_promote: Callable[[Lease], None] | None = None, peer: str | None = None,
                  max_leases_per_uid: int | None = None, max_pending_per_uid: int | None = None,
                  max_connections_per_uid: int | None = None, scrub_interval: float = SCRUB_INTERVAL,
-                 read_ahead: Prefetch | None = None, pod_verifier: PodVerifier | None = None):
+                 read_ahead: Prefetch | None = None, pod_verifier: PodVerifier | None = None,
+                 rank_sockets: list[str] | None = None):
         self.spec = spec
+        # Tensor parallel on one node: the sockets of every rank of this replica, so that all ranks
+        # promote the same engine (serve/rank_group.py). None: this agent decides roles alone.
+        self.ranks = RankGroup(self, rank_sockets, spec.tp_rank) if rank_sockets and len(rank_sockets) > 1 else None
         # In a cluster: the API server proves which pod an engine is (serve/pod_identity.py).
         # Without one, a lease's pod is the client's word, and groups follow uids alone.
         self.pod_verifier = pod_verifier
@@ -916,6 +923,10 @@ class Agent:
                     conn.settimeout(self.handshake_timeout)
                     self._switchover(conn, message)
                     return
+                elif kind in ("group_claim", "group_lost"):
+                    self._done_pending(key)
+                    self._rank_group_request(conn, message)
+                    return
                 else:
                     raise ProtocolError(f"unexpected message type {kind!r} before attach")
             conn.settimeout(None)
@@ -1009,7 +1020,8 @@ class Agent:
                 "fingerprint_mismatch", "fingerprint differs", fields=cache.fields, engine_fields=fields))
             return None
         token = secrets.token_hex(32)
-        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity)
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity,
+                               engine=_engine_id(message.get("engine")))
         if lease is None:
             return None
         reply = {
@@ -1183,12 +1195,24 @@ class Agent:
         return None
 
     def _register(self, conn: socket.socket, pid: int | None, uid: int, role: str, group: str | None,
-                  token_hash: str, pod: dict[str, str] | None = None, verified: bool = False) -> Lease | None:
+                  token_hash: str, pod: dict[str, str] | None = None, verified: bool = False,
+                  engine: str | None = None) -> Lease | None:
         """A new lease, recorded in the state file, or None (after telling the client why not).
 
         Role "auto" is decided here, under the lock: primary when the group has none, else standby.
+        Across the ranks of a tensor-parallel replica, rank 0's agent decides it for the engine.
         """
         refusal = None
+        engine = (pod or {}).get("uid") or engine
+        if role == "auto" and self.ranks is not None and group is not None and engine is not None:
+            try:
+                role = self.ranks.claim(group, engine)
+            except WeightCacheError as e:
+                log.error("cannot decide the role of pid=%s in group %r: %s", pid, group, e)
+                protocol.send_message(conn, protocol.error_message(
+                    "coordinator_unavailable", "rank 0's agent, which decides roles for every rank, does not answer; "
+                                               "try again"))
+                return None
         with self._lock:
             has_primary = group is not None and any(
                 lease.role == "primary" and lease.group == group for lease in self._leases.values())
@@ -1206,7 +1230,8 @@ class Agent:
                 if role == "standby" and not has_primary:  # engines start in any order: said, not refused
                     log.warning("standby pid=%s joined group %r, which has no primary on this agent yet: it is "
                                 "promoted only when a primary of that group attaches and then goes", pid, group)
-                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod, verified=verified)
+                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod, engine=engine,
+                              verified=verified)
                 self._leases[lease.id] = lease
                 self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up
                 self._handing(uid, pid)
@@ -1295,7 +1320,8 @@ class Agent:
                 os.close(fd)
         # A fresh token for the next restart: the one just used is spent.
         token = secrets.token_hex(32)
-        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity)
+        lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity,
+                               engine=_engine_id(message.get("engine")))
         if lease is None:
             return None
         lease.send({"type": "rejoined", "lease": lease.id, "role": lease.role, "adopted": adopt,
@@ -1347,12 +1373,15 @@ class Agent:
                     except OSError as e:  # a stale record only lets its departed engine rejoin
                         log.warning("cannot update %s: %s", self._state_path, e.strerror or e)
             successor = None
-            if lease.role == "primary" and lease.group is not None:
+            coordinated = self.ranks is not None and lease.engine is not None
+            if lease.role == "primary" and lease.group is not None and not coordinated:
                 standbys = [s for s in self._leases.values() if s.group == lease.group and s.role == "standby"]
                 if standbys:
                     successor = min(standbys, key=lambda s: s.since)
                     successor.role = "primary"
         log.info("detached pid=%s role=%s group=%s lease=%d", lease.pid, lease.role, lease.group, lease.id)
+        if coordinated and lease.role == "primary" and lease.group is not None and not self._closed.is_set():
+            self.ranks.lost(lease.group, lease.engine)  # every rank promotes the same engine
         if successor is not None:
             self._promote(successor, {"type": "promote", "group": lease.group, "previous_pid": lease.pid})
 
@@ -1382,27 +1411,31 @@ class Agent:
         return True
 
     def _switchover(self, conn: socket.socket, message: dict[str, Any]) -> None:
-        """A planned handover: promote the named standby and demote the group's primary, in one step.
+        """A planned handover asked on the socket (see `switch`). Only a privileged peer (root, or the
+        agent's own uid: the node's tooling, the other ranks' agents) may ask; an engine cannot take
+        the primary role from another by asking."""
+        self._privileged(conn, "switchover")
+        group, to_pod, to_pid, to_engine = (message.get(k) for k in ("group", "to_pod", "to_pid", "to_engine"))
+        if not isinstance(group, str) or not (to_pod is None or isinstance(to_pod, str)) or \
+                not (to_pid is None or isinstance(to_pid, int)) or not (to_engine is None or isinstance(to_engine, str)):
+            raise ProtocolError("switchover needs group (a string), and to_pod (a pod name), to_pid (an int), "
+                                "to_engine (an engine key) or none of them (demote only)")
+        protocol.send_message(conn, self.switch(group, to_pod, to_pid, to_engine))
+
+    def switch(self, group: str, to_pod: str | None = None, to_pid: int | None = None,
+               to_engine: str | None = None) -> dict[str, Any]:
+        """Promote the named standby and demote the group's primary, in one step; the `switched` reply.
 
         With no standby named, only the primary is demoted: the new primary is an engine of
-        another agent (a new revision's, during an upgrade), promoted there first. Only a
-        privileged peer (root, or the agent's own uid: the node's tooling) may ask; an engine
-        cannot take the primary role from another by asking.
+        another agent (a new revision's, during an upgrade), promoted there first.
         """
         started = time.perf_counter()
-        _pid, uid, _gid = protocol.peer_credentials(conn)
-        if uid not in (0, os.geteuid()):
-            raise ProtocolError(f"switchover needs a privileged peer; uid {uid} is not")
-        group, to_pod, to_pid = message.get("group"), message.get("to_pod"), message.get("to_pid")
-        if not isinstance(group, str) or not (to_pod is None or isinstance(to_pod, str)) or \
-                not (to_pid is None or isinstance(to_pid, int)):
-            raise ProtocolError("switchover needs group (a string), and to_pod (a pod name) or to_pid (an int) or "
-                                "neither (demote only)")
-        demote_only = to_pod is None and to_pid is None
+        demote_only = to_pod is None and to_pid is None and to_engine is None
         with self._lock:
             members = [lease for lease in self._leases.values() if lease.group == group]
             target = None if demote_only else next((lease for lease in members if lease.role == "standby" and (
                 (to_pid is not None and lease.pid == to_pid) or
+                (to_engine is not None and lease.engine == to_engine) or
                 (to_pod is not None and (lease.pod or {}).get("name") == to_pod))), None)
             old = [lease for lease in members if lease.role == "primary"]
             if target is not None or demote_only:
@@ -1412,9 +1445,8 @@ class Agent:
                     lease.demoting.set()
                     lease.role = "standby"
         if target is None and not demote_only:
-            protocol.send_message(conn, protocol.error_message(
-                "no_such_standby", f"group {group!r} has no standby {to_pod or to_pid!r} on this agent"))
-            return
+            return protocol.error_message("no_such_standby", f"group {group!r} has no standby "
+                                                             f"{to_pod or to_pid or to_engine!r} on this agent")
         promoted = target is None or self._promote(target, {
             "type": "promote", "group": group, "planned": True, "previous_pid": old[0].pid if old else None})
         for lease in old:  # after the promotion: make before break
@@ -1423,9 +1455,37 @@ class Agent:
         seconds = time.perf_counter() - started
         log.info("switchover of group %s to %s in %.2fms", group,
                  f"pid={target.pid}" if target else "another agent's engine", seconds * 1e3)
-        protocol.send_message(conn, {"type": "switched", "group": group, "ok": promoted,
-                                     "primary": target.to_json() if target else None,
-                                     "demoted": [lease.to_json() for lease in old], "seconds": seconds})
+        return {"type": "switched", "group": group, "ok": promoted, "primary": target.to_json() if target else None,
+                "demoted": [lease.to_json() for lease in old], "seconds": seconds}
+
+    def _privileged(self, conn: socket.socket, kind: str) -> None:
+        _pid, uid, _gid = protocol.peer_credentials(conn)
+        if uid not in (0, os.geteuid()):
+            raise ProtocolError(f"{kind} needs a privileged peer; uid {uid} is not")
+
+    def _rank_group_request(self, conn: socket.socket, message: dict[str, Any]) -> None:
+        """Another rank's agent asks the coordinator (rank 0) to decide a role or promote its group."""
+        self._privileged(conn, message["type"])
+        group, engine = message.get("group"), _engine_id(message.get("engine"))
+        if self.ranks is None or not self.ranks.coordinator:
+            raise ProtocolError(f"{message['type']} goes to rank 0's agent of a tensor-parallel replica")
+        _check_lease_terms(message["type"], "auto", group)
+        if engine is None or group is None:
+            raise ProtocolError(f"{message['type']} needs a group and an engine")
+        if message["type"] == "group_claim":
+            protocol.send_message(conn, {"type": "group_role", "role": self.ranks.decide_claim(group, engine)})
+        else:
+            done = self.ranks.decide_lost(group, engine)
+            protocol.send_message(conn, {"type": "group_promoted", "engine": done["to"] if done else None})
+
+
+def _engine_id(value: Any) -> str | None:
+    """The `engine` field of an attach: null, or an id of the same characters and bounds as a group."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not GROUP_RE.fullmatch(value):
+        raise ProtocolError("engine must be null or an id of letters, digits and ._:/- (at most 253)")
+    return value
 
 
 def _pod_identity(value: Any) -> dict[str, str] | None:

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-rank", type=int, default=0, help="the rank this agent serves (with --socket)")
     p.add_argument("--peer-socket", help="another replica's socket for this rank: copy its arena (device to device) "
                                          "instead of reading the checkpoint; the disk if that fails")
+    p.add_argument("--rank-sockets", help="with --socket and --tp-size > 1: every rank's socket of this replica, "
+                                          "comma-separated in rank order (this one included), so that all ranks "
+                                          "promote the same engine; rank 0's agent decides (node mode passes it)")
     p.add_argument("--sharding", help="sharding preset name or YAML rules file (default: chosen from config.json)")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
     p.add_argument("--layout", choices=LAYOUT_CHOICES, default="file",
@@ -244,6 +247,10 @@ def _serve(args: argparse.Namespace, spec: CacheSpec, read_ahead: "Prefetch | No
         policy = SocketPolicy.from_group(args.socket_group)
     except (ValueError, AccessError) as e:  # a bad --backend/--device value, an unknown --socket-group
         return refuse(PROG, str(e), EXIT_USAGE)
+    rank_sockets = [os.path.abspath(p) for p in (args.rank_sockets or "").split(",") if p]
+    if rank_sockets and (len(rank_sockets) != args.tp_size or rank_sockets[args.tp_rank] != os.path.abspath(args.socket)):
+        return refuse(PROG, f"--rank-sockets names {len(rank_sockets)} socket(s) for --tp-size {args.tp_size}, and "
+                            f"entry {args.tp_rank} (this rank) must be --socket {args.socket}", EXIT_USAGE)
     writer = _serving_label_writer(args.label_pods) if spec.tp_rank == 0 else None
     try:
         verifier = _pod_verifier(args.pod_identity, args.identity_audience)
@@ -254,7 +261,8 @@ def _serve(args: argparse.Namespace, spec: CacheSpec, read_ahead: "Prefetch | No
                   max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,
                   max_connections_per_uid=args.max_connections_per_uid, scrub_interval=args.scrub_interval,
                   on_promote=_promotion_hook(writer),
-                  peer=args.peer_socket, read_ahead=read_ahead, pod_verifier=verifier)
+                  peer=args.peer_socket, read_ahead=read_ahead, pod_verifier=verifier,
+                  rank_sockets=rank_sockets)
     try:
         agent.bind()
     except AccessError as e:

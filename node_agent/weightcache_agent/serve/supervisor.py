@@ -3,7 +3,10 @@
 `weightcache agent --socket-dir DIR --tp-size N --devices all ...` runs here. Each rank
 gets its own worker process -- a plain single-socket agent (`weightcache agent --socket
 DIR/<GPU-UUID>.sock --tp-rank R ...`) with its own arena -- so a crash in one rank's
-loader or CUDA context cannot take the others' memory with it.
+loader or CUDA context cannot take the others' memory with it. With `--tp-size` > 1 each
+worker is also given its replica's rank sockets (`--rank-sockets`): rank 0's worker decides
+roles and failovers for the whole replica, so every rank promotes the same engine
+(rank_group.py).
 
 Data flow, all on the main thread (the only thread that ever starts a worker, because
 a worker's parent-death signal fires when the *thread* that forked it exits):
@@ -106,7 +109,8 @@ class NodeConfig:
     identity_audience: str = "weightcache.io"
     peer_copy: bool = True  # replicas after the first fill from it instead of reading the disk
 
-    def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None) -> list[str]:
+    def worker_argv(self, rank: int, device: Device, socket_path: str, peer: str | None = None,
+                    rank_sockets: list[str] | None = None) -> list[str]:
         argv = [sys.executable, "-m", "weightcache_agent", "agent",
                 "--model", self.model, "--socket", socket_path,
                 "--tp-size", str(self.tp_size), "--tp-rank", str(rank),
@@ -134,6 +138,8 @@ class NodeConfig:
                 argv += [flag, str(value)]
         if peer is not None:
             argv += ["--peer-socket", peer]
+        if rank_sockets:
+            argv += ["--rank-sockets", ",".join(rank_sockets)]
         return argv
 
 
@@ -195,6 +201,7 @@ class Worker:
         self.rank, self.device, self.config = rank, device, config
         self.socket = os.path.join(config.socket_dir, device.socket_name)
         self.peer: str | None = None  # the first replica's socket of this rank, for a replica after it
+        self.rank_sockets: list[str] | None = None  # every rank's socket of this replica (TP > 1): group promotion
         self.on_attach = on_attach
         self.out = out or sys.stderr
         self.proc: subprocess.Popen[str] | None = None
@@ -213,7 +220,7 @@ class Worker:
     # -- process -----------------------------------------------------------------------------
 
     def spawn(self) -> None:
-        argv = self.config.worker_argv(self.rank, self.device, self.socket, self.peer)
+        argv = self.config.worker_argv(self.rank, self.device, self.socket, self.peer, self.rank_sockets)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, errors="replace", start_new_session=True,
                                      preexec_fn=die_with_parent)
@@ -425,6 +432,12 @@ class NodeSupervisor:
         self.setup_error = setup_error
         # Replica r of the cache is devices[r*tp : (r+1)*tp]; its workers are ranks 0..tp-1.
         self.workers = [Worker(i % config.tp_size, device, config, on_attach, out) for i, device in enumerate(devices)]
+        if config.tp_size > 1:
+            # The ranks of one replica promote engines together; rank 0's worker decides (serve/rank_group.py).
+            for start in range(0, len(self.workers) - config.tp_size + 1, config.tp_size):
+                replica = self.workers[start:start + config.tp_size]
+                for worker in replica:
+                    worker.rank_sockets = [w.socket for w in replica]
         if config.peer_copy:
             # Replicas after the first copy each rank's arena from the first replica's, GPU to GPU.
             for worker in self.workers[config.tp_size:]:

@@ -24,13 +24,15 @@ from ..usage import parser as usage_parser
 
 
 def switch_rank(socket_path: str, group: str, to_pod: str | None = None, to_pid: int | None = None,
-                timeout: float = 5.0) -> dict[str, Any]:
+                timeout: float = 5.0, to_engine: str | None = None) -> dict[str, Any]:
     """One rank's switchover; the agent's reply (`switched`, or an error document)."""
     message: dict[str, Any] = {"type": "switchover", "group": group}
     if to_pod is not None:
         message["to_pod"] = to_pod
     if to_pid is not None:
         message["to_pid"] = to_pid
+    if to_engine is not None:
+        message["to_engine"] = to_engine
     conn = protocol.connect(socket_path)
     try:
         conn.settimeout(timeout)
