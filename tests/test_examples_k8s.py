@@ -67,7 +67,7 @@ def example(name: str) -> str:
 
 def test_every_example_and_the_readme_quick_start_have_a_test_here() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == [
-        "engineset-chat.yaml", "llama-70b-tp8-fp8.yaml", "qwen-pvc-tp2.yaml"]
+        "engineset-chat.yaml", "engineset-vllm.yaml", "llama-70b-tp8-fp8.yaml", "qwen-pvc-tp2.yaml"]
     # The README's Kubernetes quick start applies what the serving test below applies, in that order.
     applied = re.findall(r"^kubectl apply -f (\S+)", (REPO / "README.md").read_text(), re.MULTILINE)
     assert applied == ["examples/qwen-pvc-tp2.yaml", "examples/engineset-chat.yaml"]
@@ -113,6 +113,29 @@ def test_llama_70b_is_accepted_and_rendered(k8s_chart: Lab, tmp_path: Path) -> N
             lab.api.delete(f"{WC}/namespaces/{NS}/weightcaches/llama-70b")
             wait_for(lambda: lab.api.get_or_none(f"{WC}/namespaces/{NS}/weightcaches/llama-70b") is None,
                      timeout=30, what="llama-70b gone")
+
+
+def test_vllm_cache_and_engineset_are_accepted_and_rendered(k8s_chart: Lab, tmp_path: Path) -> None:
+    """examples/engineset-vllm.yaml as shipped: its agents run with vLLM's layout and its EngineSet
+    is accepted and waits for the cache. Four vLLM engines (two groups of primary + standby) do
+    not fit a 2-core test machine, so none is run here; vLLM serving from such an agent, with this
+    file's loader flags, is tests/test_vllm.py."""
+    lab = k8s_chart
+    with operator(lab, tmp_path):
+        lab.kubectl("apply", "-f", str(EXAMPLES / "engineset-vllm.yaml"))
+        try:
+            ds = wait_for(lambda: lab.api.get_or_none(f"/apis/apps/v1/namespaces/{NS}/daemonsets/qwen-7b-vllm-agent"),
+                          timeout=60, what="the qwen-7b-vllm agent DaemonSet")
+            args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert args[args.index("--layout") + 1] == "vllm" and args[args.index("--dtype") + 1] == "bfloat16"
+            engines = lab.api.get(f"{WC}/namespaces/{NS}/enginesets/chat-vllm")
+            container = engines["spec"]["template"]["spec"]["containers"][0]
+            assert container["command"][-1] == "vllm.entrypoints.openai.api_server"
+            assert container["args"][container["args"].index("--load-format") + 1] == "weightcache"
+        finally:
+            lab.kubectl("delete", "-f", str(EXAMPLES / "engineset-vllm.yaml"), "--wait=false")
+            wait_for(lambda: lab.api.get_or_none(f"{WC}/namespaces/{NS}/weightcaches/qwen-7b-vllm") is None,
+                     timeout=60, what="qwen-7b-vllm gone")
 
 
 def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
