@@ -190,7 +190,7 @@ class ApiClient:
                 raw = resp.read()
                 break
             except (http.client.RemoteDisconnected, ConnectionError, http.client.CannotSendRequest,
-                    http.client.BadStatusLine):
+                    http.client.BadStatusLine, ssl.SSLEOFError):  # a kept-alive connection the server closed
                 if attempt:
                     raise
         try:

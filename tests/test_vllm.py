@@ -7,9 +7,9 @@ vLLM lives in its own virtual environment (it pins its own torch and transformer
 Real agents (cpu backend, `--layout vllm`) serve tiny random Llama and Qwen2 checkpoints
 (tied embeddings and q/k/v biases) with a word-level tokenizer; vLLM runs them from its
 default loader and from the cache, and the greedy tokens must be the same:
-- in-process engine: Llama bf16 and Qwen2 fp32 and bf16, a mismatching agent (fallback: one
+- in-process engine: Llama bf16 and Qwen2 fp32, a mismatching agent (fallback: one
   WARNING, served from disk), no agent with fallback off (one ERROR line naming the reason);
-- vLLM's multi-process engine with TP=2 (gloo): Qwen2, each worker on its own rank's agent;
+- vLLM's multi-process engine with TP=2 (gloo): Qwen2 fp32, each worker on its own rank's agent;
 - the README's commands as written (an agent, vLLM's OpenAI server): `/v1/completions`.
 """
 from __future__ import annotations
@@ -85,13 +85,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def agents(models, tmp_path_factory):
-    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32 and bf16, and Qwen2 at TP=2 (one per rank)."""
+    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32, and Qwen2 fp32 at TP=2 (one per rank)."""
     sockets = tmp_path_factory.mktemp("vllm-sockets")
     specs = {
         "llama": (models["llama"], []),
         "qwen2-fp32": (models["qwen2"], ["--dtype", "float32"]),
-        "qwen2": (models["qwen2"], []),
-        **{f"qwen2-r{r}": (models["qwen2"], ["--tp-size", "2", "--tp-rank", str(r)]) for r in (0, 1)},
+        **{f"qwen2-fp32-r{r}": (models["qwen2"], ["--dtype", "float32", "--tp-size", "2", "--tp-rank", str(r)])
+           for r in (0, 1)},
     }
     procs = {name: AgentProcess(model, str(sockets / f"{name}.sock"), "--layout", "vllm", *extra)
              for name, (model, extra) in specs.items()}
@@ -114,10 +114,9 @@ def in_process(models, agents, tmp_path_factory):
         "qwen2 fp32 default": dict(model=models["qwen2"], dtype="float32"),
         "qwen2 fp32 cache": dict(model=models["qwen2"], dtype="float32", load_format="weightcache",
                                  extra={"socket": agents["qwen2-fp32"]}),
-        "qwen2 default": dict(model=models["qwen2"]),
-        "qwen2 cache": dict(model=models["qwen2"], load_format="weightcache", extra={"socket": agents["qwen2"]}),
         # an agent holding another model: a fingerprint mismatch, served from disk with fallback (the default)
-        "llama mismatch": dict(model=models["llama"], load_format="weightcache", extra={"socket": agents["qwen2"]}),
+        "llama mismatch": dict(model=models["llama"], load_format="weightcache",
+                               extra={"socket": agents["qwen2-fp32"]}),
         "llama no agent": dict(model=models["llama"], load_format="weightcache",
                                extra={"socket": missing, "fallback": False}),
     }
@@ -125,7 +124,7 @@ def in_process(models, agents, tmp_path_factory):
     return dict(zip(runs, results)), log, missing
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen2 fp32", "qwen2"])
+@pytest.mark.parametrize("model", ["llama", "qwen2 fp32"])
 def test_the_cache_serves_the_same_greedy_tokens_as_vllms_loader(in_process, model):
     results, log, _ = in_process
     assert results[f"{model} cache"]["tokens"] == results[f"{model} default"]["tokens"]
@@ -135,8 +134,7 @@ def test_the_cache_serves_the_same_greedy_tokens_as_vllms_loader(in_process, mod
 def test_every_parameter_byte_is_an_arena_view_after_post_load_processing(in_process):
     _, log, _ = in_process
     lines = attached_lines(log)
-    assert [(name, rank, size) for name, rank, size, _, _ in lines] == [("llama", 0, 1), ("qwen2", 0, 1),
-                                                                        ("qwen2", 0, 1)]
+    assert [(name, rank, size) for name, rank, size, _, _ in lines] == [("llama", 0, 1), ("qwen2", 0, 1)]
     for _, _, _, views, copies in lines:
         assert copies == "0 B" and not views.startswith("0 "), lines
 
@@ -158,9 +156,10 @@ def test_no_agent_without_fallback_fails_with_one_line_naming_the_socket(in_proc
 
 
 def test_tensor_parallel_workers_attach_their_own_ranks_and_match_tp1(models, agents, in_process):
-    results, log = drive([dict(model=models["qwen2"], tp=2, prompts=PROMPTS, load_format="weightcache",
-                               extra={"socket": agents["qwen2"].replace("qwen2.sock", "qwen2-r{rank}.sock")})])
-    assert results[0]["tokens"] == in_process[0]["qwen2 default"]["tokens"]
+    template = agents["qwen2-fp32"].replace("qwen2-fp32.sock", "qwen2-fp32-r{rank}.sock")
+    results, log = drive([dict(model=models["qwen2"], dtype="float32", tp=2, prompts=PROMPTS,
+                               load_format="weightcache", extra={"socket": template})])
+    assert results[0]["tokens"] == in_process[0]["qwen2 fp32 default"]["tokens"]
     assert sorted((rank, size, copies) for _, rank, size, _, copies in attached_lines(log)) == [(0, 2, "0 B"),
                                                                                                  (1, 2, "0 B")]
 
@@ -180,7 +179,7 @@ def readme_vllm_commands(model: str, socket_path: str) -> list[list[str]]:
 
 
 def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models, in_process, tmp_path):
-    agent_cmd, vllm_cmd = readme_vllm_commands(models["qwen2"], str(tmp_path / "qwen.sock"))
+    agent_cmd, vllm_cmd = readme_vllm_commands(models["llama"], str(tmp_path / "qwen.sock"))
     with socket.socket() as s:  # the README's server listens on vLLM's default port
         assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's vLLM server needs it"
     log_path = tmp_path / "server.log"
@@ -202,11 +201,11 @@ def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models
                 pass
             assert time.monotonic() < deadline, f"vLLM's server not up: {_causes(log_path.read_text())}"
             time.sleep(1)
-        body = json.dumps({"model": models["qwen2"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
+        body = json.dumps({"model": models["llama"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
         request = urllib.request.Request(base + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as r:
             answer = json.load(r)
-        assert answer["choices"][0]["text"] == in_process[0]["qwen2 default"]["text"][0]
+        assert answer["choices"][0]["text"] == in_process[0]["llama default"]["text"][0]
         lines = attached_lines(log_path.read_text())
         assert [(rank, size, copies) for _, rank, size, _, copies in lines] == [(0, 1, "0 B")], lines
     finally:

@@ -374,7 +374,7 @@ class CudaArena:
 
             _activate(self.ordinal)
             self._reader = _Mapping(self._handle, self.size, self.ordinal, writable=False, owns_handle=False)
-            self._digester = GpuDigester(self.ordinal, int(self._reader.ptr), self.size)
+            self._digester = GpuDigester(self.ordinal, int(self._reader.ptr), self.size, driver, checked, _activate)
         return self._digester
 
     def digest_segment(self, key: bytes, index: int) -> str:

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from typing import Any
+from typing import Any, Callable
 
-from .cuda import _activate, checked, driver
 from .digest import ArenaDigest, segment_count, segment_range
 
 CUDA_SEGMENT_BYTES = 1 << 30
@@ -83,7 +82,7 @@ _kernels: dict[int, Any] = {}  # ordinal -> the loaded kernel function
 _kernels_lock = threading.Lock()
 
 
-def _compile(ordinal: int) -> Any:
+def _compile(ordinal: int, driver: Callable[[], Any], checked: Callable[..., Any]) -> Any:
     """The kernel for this device: NVRTC to PTX for its compute capability, loaded by the driver."""
     try:
         from cuda.bindings import nvrtc
@@ -118,10 +117,10 @@ def _compile(ordinal: int) -> Any:
     return checked(cu.cuModuleGetFunction(module, b"arena_digest"), "cuModuleGetFunction (arena digest)")
 
 
-def _kernel(ordinal: int) -> Any:
+def _kernel(ordinal: int, driver: Callable[[], Any], checked: Callable[..., Any]) -> Any:
     with _kernels_lock:
         if ordinal not in _kernels:
-            _kernels[ordinal] = _compile(ordinal)
+            _kernels[ordinal] = _compile(ordinal, driver, checked)
         return _kernels[ordinal]
 
 
@@ -129,38 +128,41 @@ class GpuDigester:
     """Digests segments of one device allocation mapped at `ptr` (read access is enough).
 
     Owns a non-blocking stream and a small device buffer for the per-block sums; one segment per
-    call, synchronously (a call is the unit the scrubber paces)."""
+    call, synchronously (a call is the unit the scrubber paces). `driver`, `checked` and `activate`
+    are arena/cuda.py's driver helpers, handed in by it: that module imports this one, not the reverse."""
 
-    def __init__(self, ordinal: int, ptr: int, size: int):
+    def __init__(self, ordinal: int, ptr: int, size: int, driver: Callable[[], Any], checked: Callable[..., Any],
+                 activate: Callable[[int], None]):
+        self._driver, self._checked, self._activate = driver, checked, activate
         cu = driver()
-        _activate(ordinal)
+        activate(ordinal)
         self.ordinal, self.ptr, self.size = ordinal, int(ptr), size
-        self._kernel = _kernel(ordinal)
-        self._stream = checked(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        self._out = checked(cu.cuMemAlloc(GRID * 8), "cuMemAlloc")
+        self._kernel = _kernel(ordinal, driver, checked)
+        self._stream = self._checked(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._out = self._checked(cu.cuMemAlloc(GRID * 8), "cuMemAlloc")
         self._host = (ctypes.c_uint64 * GRID)()
         self._lock = threading.Lock()
 
     def segment(self, key: bytes, index: int) -> str:
         offset, length = segment_range(self.size, CUDA_SEGMENT_BYTES, index)
         k = [int.from_bytes(key[i:i + 8], "little") for i in range(0, 32, 8)]
-        cu = driver()
+        cu = self._driver()
         with self._lock:
-            _activate(self.ordinal)  # this thread's current context: the device's primary one
+            self._activate(self.ordinal)  # this thread's current context: the device's primary one
             args = [ctypes.c_uint64(self.ptr + offset), ctypes.c_uint64(length // 8), ctypes.c_uint64(index),
                     *(ctypes.c_uint64(x) for x in k), ctypes.c_uint64(int(self._out))]
             pointers = (ctypes.c_void_p * len(args))(*(ctypes.addressof(a) for a in args))
-            checked(cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0, self._stream,
+            self._checked(cu.cuLaunchKernel(self._kernel, GRID, 1, 1, BLOCK, 1, 1, 0, self._stream,
                                       ctypes.addressof(pointers), 0), "cuLaunchKernel (arena digest)")
-            checked(cu.cuMemcpyDtoHAsync(ctypes.addressof(self._host), self._out, GRID * 8, self._stream),
+            self._checked(cu.cuMemcpyDtoHAsync(ctypes.addressof(self._host), self._out, GRID * 8, self._stream),
                     "cuMemcpyDtoHAsync")
-            checked(cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+            self._checked(cu.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
             value = sum(self._host) % _P
         return f"{value:016x}"
 
     def close(self) -> None:
-        cu = driver()
-        _activate(self.ordinal)
+        cu = self._driver()
+        self._activate(self.ordinal)
         cu.cuMemFree(self._out)
         cu.cuStreamDestroy(self._stream)
 

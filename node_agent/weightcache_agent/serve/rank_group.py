@@ -33,14 +33,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import protocol
 from ..errors import WeightCacheError
 from .switchover import switch_rank
-
-if TYPE_CHECKING:
-    from .agent import Agent
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +50,8 @@ PRIMARY_ROLES = ("primary", "promoting")
 class RankGroup:
     """This agent's place among the rank agents of one replica; the coordinator's state on rank 0."""
 
-    def __init__(self, agent: "Agent", sockets: list[str], rank: int):
+    def __init__(self, agent: Any, sockets: list[str], rank: int):
+        # agent: the serve.agent.Agent that owns this group (which imports this module, not the reverse)
         if not 0 <= rank < len(sockets):
             raise ValueError(f"rank {rank} has no socket among the {len(sockets)} rank sockets")
         self.agent, self.sockets, self.rank = agent, sockets, rank
