@@ -136,7 +136,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
             for name in set(layers) - known:
                 del layers[name]
-            return self._miss(reason, vllm_config, model_config, prefix)
+            return self._miss(reason, type(e).__name__, vllm_config, model_config, prefix)
         with set_default_torch_dtype(model_config.dtype):
             _keep_cpu_weights_unpacked(model, device)
             process_weights_after_loading(model, model_config, device)
@@ -180,7 +180,8 @@ class WeightcacheModelLoader(BaseModelLoader):
             model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
         return model, device
 
-    def _miss(self, reason: str, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> nn.Module:
+    def _miss(self, reason: str, kind: str, vllm_config: VllmConfig, model_config: ModelConfig,
+              prefix: str) -> nn.Module:
         where = self.socket or "the environment's agent"
         if not self.fallback:
             line = f"weightcache: cannot attach {model_config.model} from {where}: {reason} (fallback is off)"
@@ -188,7 +189,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             raise RuntimeError(line) from None
         log.warning("weightcache: cache miss for %s (%s): %s; loading from disk with vLLM's default loader",
                     model_config.model, where, reason)
-        _metrics().record(source="disk", reason=reason.split(":", 1)[0], views=0, copies=0)
+        _metrics().record(source="disk", reason=kind, views=0, copies=0)
         return DefaultModelLoader(self._default_config()).load_model(vllm_config, model_config, prefix)
 
     def _default_config(self) -> LoadConfig:
@@ -314,7 +315,7 @@ class _Metrics:
         from prometheus_client import Counter, Gauge
 
         self.loads = Counter("weightcache_vllm_loads", "vLLM model loads by --load-format weightcache, by where the "
-                             "weights came from (agent, or disk on a miss) and the miss's reason", ["source", "reason"])
+                             "weights came from (agent, or disk on a miss) and the kind of miss", ["source", "reason"])
         self.bytes = Gauge("weightcache_vllm_weight_bytes", "Parameter bytes of the loaded model that are arena views "
                            "(kind=view) or private copies (kind=copy)", ["kind"], multiprocess_mode="liveall")
 
