@@ -26,16 +26,13 @@ import http.client
 import json
 import logging
 import os
-import ssl
 import threading
 import time
-import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..errors import WeightCacheError
-from .serving_label import SA_DIR, in_cluster_api_url
+from .serving_label import api_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -78,20 +75,9 @@ class PodVerifier:
     def __init__(self, api_url: str | None = None, *, audience: str = AUDIENCE, node: str | None = None,
                  token_path: str | os.PathLike[str] | None = None, ca_path: str | os.PathLike[str] | None = None,
                  timeout: float = 5.0) -> None:
-        url = api_url or in_cluster_api_url()
-        if not url:
-            raise IdentityRefused("no API server to verify pod tokens: KUBERNETES_SERVICE_HOST is not set")
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
-            raise IdentityRefused(f"API server URL must be https://host[:port], not {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 443
+        self.host, self.port, self.token_path, self._ctx = api_endpoint(
+            api_url, token_path, ca_path, IdentityRefused, "no API server to verify pod tokens")
         self.audience, self.node, self.timeout = audience, node or None, timeout
-        self.token_path = Path(token_path or os.environ.get("WEIGHTCACHE_KUBE_TOKEN") or SA_DIR / "token")
-        ca = Path(ca_path or os.environ.get("WEIGHTCACHE_KUBE_CA") or SA_DIR / "ca.crt")
-        try:
-            self._ctx = ssl.create_default_context(cafile=str(ca))
-        except (OSError, ssl.SSLError) as e:
-            raise IdentityRefused(f"cluster CA {ca}: {e}") from None
         self._conn: http.client.HTTPSConnection | None = None
         self._conn_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONCURRENT)

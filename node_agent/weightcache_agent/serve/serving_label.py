@@ -69,26 +69,36 @@ def in_cluster_api_url() -> str | None:
     return f"https://{host}:{port}"
 
 
+def api_endpoint(api_url: str | None, token_path: str | os.PathLike[str] | None,
+                 ca_path: str | os.PathLike[str] | None, error: type[Exception],
+                 missing: str) -> tuple[str, int, Path, ssl.SSLContext]:
+    """The API server's host and port, this process's token file, and TLS trusting the cluster CA:
+    from the arguments, else $WEIGHTCACHE_KUBE_API / _TOKEN / _CA, else the pod's own (in-cluster).
+    Raises `error` naming what is missing (`missing` says why the server was wanted) or unreadable."""
+    url = api_url or in_cluster_api_url()
+    if not url:
+        raise error(f"{missing}: KUBERNETES_SERVICE_HOST is not set and no URL was given")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme != "https" or not parts.hostname:
+        raise error(f"API server URL must be https://host[:port], not {url!r}")
+    token = Path(token_path or os.environ.get("WEIGHTCACHE_KUBE_TOKEN") or SA_DIR / "token")
+    ca = Path(ca_path or os.environ.get("WEIGHTCACHE_KUBE_CA") or SA_DIR / "ca.crt")
+    try:
+        tls = ssl.create_default_context(cafile=str(ca))
+    except (OSError, ssl.SSLError) as e:
+        raise error(f"cluster CA {ca}: {_one_line(e)}") from None
+    return parts.hostname, parts.port or 443, token, tls
+
+
 class ServingLabelWriter:
     """A kept-alive, authenticated connection to the API server that flips one pod label."""
 
     def __init__(self, api_url: str | None = None, *, token_path: str | os.PathLike[str] | None = None,
                  ca_path: str | os.PathLike[str] | None = None, timeout: float = 2.0,
                  keepalive: float = 30.0) -> None:
-        url = api_url or in_cluster_api_url()
-        if not url:
-            raise ServingLabelError("no API server: KUBERNETES_SERVICE_HOST is not set and no URL was given")
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme != "https" or not parts.hostname:
-            raise ServingLabelError(f"API server URL must be https://host[:port], not {url!r}")
-        self.host, self.port = parts.hostname, parts.port or 443
-        self.token_path = Path(token_path or os.environ.get("WEIGHTCACHE_KUBE_TOKEN") or SA_DIR / "token")
-        self.ca_path = Path(ca_path or os.environ.get("WEIGHTCACHE_KUBE_CA") or SA_DIR / "ca.crt")
+        self.host, self.port, self.token_path, self._ctx = api_endpoint(api_url, token_path, ca_path,
+                                                                        ServingLabelError, "no API server")
         self.timeout = timeout
-        try:
-            self._ctx = ssl.create_default_context(cafile=str(self.ca_path))
-        except (OSError, ssl.SSLError) as e:
-            raise ServingLabelError(f"cluster CA {self.ca_path}: {_one_line(e)}") from None
         self._lock = threading.Lock()
         self._conn: http.client.HTTPSConnection | None = None
         self._token = ""
