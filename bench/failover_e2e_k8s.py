@@ -157,6 +157,8 @@ class EndToEnd:
         self.probe_interval = probe_interval
         self.stack = contextlib.ExitStack()
         self.ns = ""
+        self.engineset, self.cache, self.node = ENGINESET, CACHE, NODE  # what a subclass may name otherwise
+        self.settle_timeout = 60.0  # a killed engine's restart, until its group is whole again
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -224,7 +226,7 @@ class EndToEnd:
             "spec": {"model": {"path": MODEL}, "parallelism": {"tensor": 1},
                      "nodeSelector": {"weightcache.io/e2e": ns}}})
         self.create_engineset()
-        self.watch = SliceWatch(lab, ns, ENGINESET).start()
+        self.watch = SliceWatch(lab, ns, self.engineset).start()
         self.stack.callback(self.watch.close)
         self.wait_settled(range(self.replicas), timeout=120)
 
@@ -257,9 +259,9 @@ class EndToEnd:
         return path
 
     def _delete_resources(self) -> None:
-        for plural, name in (("enginesets", ENGINESET), ("weightcaches", CACHE)):
+        for plural, name in (("enginesets", self.engineset), ("weightcaches", self.cache)):
             self.api.delete(f"{WC}/namespaces/{self.ns}/{plural}/{name}")
-        for plural, name in (("enginesets", ENGINESET), ("weightcaches", CACHE)):
+        for plural, name in (("enginesets", self.engineset), ("weightcaches", self.cache)):
             with contextlib.suppress(TimeoutError):
                 wait_for(lambda p=plural, n=name: self.api.get_or_none(f"{WC}/namespaces/{self.ns}/{p}/{n}") is None,
                          timeout=20, what=f"{plural}/{name} gone")
@@ -284,12 +286,12 @@ class EndToEnd:
     # -- what the trials read ------------------------------------------------------------
 
     def pods(self) -> list[dict[str, Any]]:
-        return self.api.get(pods_path(self.ns), labelSelector=f"weightcache.io/engineset={ENGINESET}")["items"]
+        return self.api.get(pods_path(self.ns), labelSelector=f"weightcache.io/engineset={self.engineset}")["items"]
 
     def socket_path(self, device: str) -> str:
         from weightcache_operator.manifests import socket_dir
 
-        return str(self.kubelet.host_path(NODE, socket_dir(self.ns, CACHE)) / f"{device}.sock")
+        return str(self.kubelet.host_path(self.node, socket_dir(self.ns, self.cache)) / f"{device}.sock")
 
     def leases(self, device: str) -> dict[str, str]:
         """pod name -> role, as the agent's worker for `device` holds them."""
@@ -335,7 +337,7 @@ class EndToEnd:
         """SIGKILL the group's primary; time the agent's promotion and the EndpointSlice."""
         from weightcache_agent.protocol import agent_status
 
-        primary, standby, device = self.wait_settled([group], timeout=60)[group]
+        primary, standby, device = self.wait_settled([group], timeout=self.settle_timeout)[group]
         sock = self.socket_path(device)
         seen: list[float] = []
         go = threading.Event()
@@ -381,7 +383,7 @@ class EndToEnd:
                 results.trials.append(trial)
             if progress and i >= 0 and (i + 1) % 10 == 0:
                 print(f"  {i + 1}/{trials} trials", file=sys.stderr)
-        self.wait_settled(range(self.replicas), timeout=60)
+        self.wait_settled(range(self.replicas), timeout=self.settle_timeout)
         results.wall_s = time.perf_counter() - start
         results.slice_changes, results.empty_windows = self.empty_windows(start)
         return results
@@ -422,7 +424,7 @@ def _wait_rollout(e2e: EndToEnd, complete: Any, timeout: float) -> dict[str, Any
     try:
         return wait_for(complete, timeout=timeout, interval=0.2, what="the rollout complete")
     except TimeoutError as e:
-        status = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}").get("status") or {}
+        status = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{e2e.engineset}").get("status") or {}
         pods = {p["metadata"]["name"]: p["metadata"]["labels"].get("weightcache.io/template-hash") for p in e2e.pods()}
         raise TimeoutError(f"{e}; rollout status {status.get('rollout')}; pods {pods}") from None
 
@@ -432,7 +434,7 @@ def _roll(e2e: EndToEnd, change: Callable[[], Callable[[dict[str, Any]], bool]],
     to complete: phase Complete, every live pod on its template hash, every group settled."""
     settled = e2e.wait_settled(range(e2e.replicas), timeout=60)
     old_serving = {g: v[0] for g, v in settled.items()}
-    path = f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}"
+    path = f"{WC}/namespaces/{e2e.ns}/enginesets/{e2e.engineset}"
     start = time.perf_counter()
     seen = change()
 
@@ -458,7 +460,7 @@ def _roll(e2e: EndToEnd, change: Callable[[], Callable[[dict[str, Any]], bool]],
 def roll_template(e2e: EndToEnd, extra_args: tuple[str, ...], timeout: float = 240) -> Rollout:
     """Change the EngineSet's template and wait for the rollout to complete with every group settled."""
     def change() -> Callable[[dict[str, Any]], bool]:
-        es = e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}",
+        es = e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/enginesets/{e2e.engineset}",
                            {"spec": {"template": engine_template(extra_args)}})
         return lambda status: status.get("observedGeneration") == es["metadata"]["generation"]
 
@@ -470,9 +472,9 @@ def roll_model(e2e: EndToEnd, path: str, revision: str, timeout: float = 240) ->
     rollout to complete: the agent DaemonSet rolls (its new pod loads the new weights while the old
     engines keep serving the old ones they map), then every group switches to pods attached to it."""
     def change() -> Callable[[dict[str, Any]], bool]:
-        es = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{ENGINESET}")
+        es = e2e.api.get(f"{WC}/namespaces/{e2e.ns}/enginesets/{e2e.engineset}")
         old_hash = ((es.get("status") or {}).get("rollout") or {}).get("templateHash")
-        e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/weightcaches/{CACHE}",
+        e2e.api.patch(f"{WC}/namespaces/{e2e.ns}/weightcaches/{e2e.cache}",
                       {"spec": {"model": {"path": path, "revision": revision}}})
         return lambda status: status["rollout"].get("templateHash") not in (None, old_hash)
 
@@ -484,7 +486,7 @@ def switchover_by_annotation(e2e: EndToEnd, group: int, timeout: float = 30) -> 
     from the annotation to the EndpointSlice listing the standby alone)."""
     primary, standby, _ = e2e.wait_settled([group], timeout=60)[group]
     start = time.perf_counter()
-    e2e.lab.kubectl("annotate", "-n", e2e.ns, f"engineset/{ENGINESET}", f"weightcache.io/switchover-to={standby}")
+    e2e.lab.kubectl("annotate", "-n", e2e.ns, f"engineset/{e2e.engineset}", f"weightcache.io/switchover-to={standby}")
     wait_for(lambda: {n for n in e2e.watch.current() if group_of(n) == group} == {standby},
              timeout=timeout, interval=0.01, what=f"the EndpointSlice listing {standby} alone")
     return primary, standby, time.perf_counter() - start

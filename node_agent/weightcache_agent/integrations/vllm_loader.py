@@ -54,8 +54,10 @@ from ..client.warmup import prepare
 from ..client.env import socket_from_env
 from ..errors import AttachError, WeightCacheError
 from ..load.layout import LAYOUTS
+from ..load.progress import size_text as _size
 from ..protocol import agent_status
 from ..spec import CacheSpec
+from . import vllm_standby
 
 # under vLLM's own logger tree, so the lines show where vLLM's do, in its format
 log = init_logger("vllm.model_executor.model_loader.weightcache")
@@ -117,6 +119,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def load_model(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str = "") -> nn.Module:
         rank = get_tensor_model_parallel_rank()
+        vllm_standby.install()
         started = time.perf_counter()
         # layers register by name as they are built: a fallback builds the model again
         layers = vllm_config.compilation_config.static_forward_context
@@ -131,7 +134,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             preparing.join()
             copier = _FusedCopies(model)
             self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
-                                     materialize=copier.materialize)
+                                     materialize=copier.materialize, on_promote=vllm_standby.promoted)
         except MISSES as e:
             reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
             for name in set(layers) - known:
@@ -141,6 +144,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             _keep_cpu_weights_unpacked(model, device)
             process_weights_after_loading(model, model_config, device)
         model._weightcache = self.attachment  # the lease lives as long as the model
+        vllm_standby.watch(self.attachment)
         views, copies = _view_bytes(model, self.attachment)
         seconds = time.perf_counter() - started
         log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s)",
@@ -294,13 +298,6 @@ def _view_bytes(model: nn.Module, attachment: Attachment) -> tuple[int, int]:
         else:
             copies += n
     return views, copies
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 def _kind(kind: Any) -> str:
