@@ -10,7 +10,9 @@ vLLM's CPU build. What differs from a GPU node, and why: the model is a small sy
 backend's devices, published as a DRA driver would; the engine's `--port 8000` is a free
 loopback port (pods share one loopback here); vLLM's CPU build sizes its KV cache from
 `VLLM_CPU_KVCACHE_SPACE` (set in the node's environment: the example's
-`--gpu-memory-utilization 0.45` would be 45% of host memory per engine on CPU).
+`--gpu-memory-utilization 0.45` would be 45% of host memory per engine on CPU) and refuses
+`--enable-sleep-mode`, a CUDA allocator's feature, which is dropped from the command: on CPU
+a standby releases its KV cache without it.
 
 The client: one thread sends OpenAI completions without pause, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
@@ -144,7 +146,8 @@ class VllmExample(e2e_bench.EndToEnd):
             # vLLM's own environment; its working directory outside the checkout, whose build metadata
             # would stand in for the installed package's entry points
             env = [f"{k}={v}" for k, v in vllm_environment(self.kv_cache_gib).items()]
-            return ["env", "-u", "PYTHONPATH", "-C", str(self.root), *env, self.vllm_python, *argv[1:]]
+            args = [a for a in argv[1:] if a != "--enable-sleep-mode"]
+            return ["env", "-u", "PYTHONPATH", "-C", str(self.root), *env, self.vllm_python, *args]
         return argv
 
     def logs(self, chars: int = 2500) -> str:
@@ -167,7 +170,8 @@ class VllmExample(e2e_bench.EndToEnd):
         return {}
 
     def log_of(self, pod: str) -> str:
-        return "".join(p.read_text(errors="replace") for p in sorted((self.root / "logs").glob(f"*{pod}*")))
+        path = self.root / "logs" / f"{NS}_{pod}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def _proc_status(pid: int) -> dict[str, str]:
