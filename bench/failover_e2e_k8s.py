@@ -177,9 +177,9 @@ class EndToEnd:
         from kopf.testing import KopfRunner
 
         from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
-        from weightcache_operator import manifests
         from weightcache_operator.config import OperatorConfig
-        from weightcache_operator.handlers import build_registry, build_settings
+        from weightcache_operator.controller.weightcache import manifests
+        from weightcache_operator.registry import build_registry, build_settings
 
         lab, api = self.lab, self.api
         self.ns = ns = lab.namespace("e2e")
@@ -289,7 +289,7 @@ class EndToEnd:
         return self.api.get(pods_path(self.ns), labelSelector=f"weightcache.io/engineset={self.engineset}")["items"]
 
     def socket_path(self, device: str) -> str:
-        from weightcache_operator.manifests import socket_dir
+        from weightcache_operator.controller.weightcache.manifests import socket_dir
 
         return str(self.kubelet.host_path(self.node, socket_dir(self.ns, self.cache)) / f"{device}.sock")
 

@@ -327,7 +327,7 @@ async def running_operator(kmock: Any, watched: str, *, config: OperatorConfig |
     # kopf only here: the CRD, chart and manifest tests share this module without running it.
     from kopf.testing import KopfRunner
     from weightcache_operator.config import OperatorConfig
-    from weightcache_operator.handlers import build_registry, build_settings
+    from weightcache_operator.registry import build_registry, build_settings
 
     registry, _ = build_registry(config or OperatorConfig(poll_interval=POLL, agent_http_timeout=1.0))
     before = len(requests_of(kmock, "GET", watched))

@@ -13,9 +13,9 @@ import yaml
 
 from weightcache_agent.serve.agent_main import build_parser
 from weightcache_agent.spec import CacheSpec
+from weightcache_operator.api.v1alpha1.weightcache_types import parse_spec
 from weightcache_operator.config import OperatorConfig
-from weightcache_operator.manifests import AGENT_HTTP_PORT, render_daemonset, socket_dir
-from weightcache_operator.spec import parse_spec
+from weightcache_operator.controller.weightcache.manifests import AGENT_HTTP_PORT, render_daemonset, socket_dir
 
 EXAMPLES = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "examples", "*.yaml")))
 

@@ -5,7 +5,7 @@ the OpenAPI schema with ``jsonschema``, defaulting with a small structural walke
 (the same rule as the API server: a missing property with a default gets it, also
 inside defaulted objects), and every ``x-kubernetes-validations`` rule compiled and
 evaluated with ``celpy`` (cel-python) at its place in the object. The operator's own
-spec check (``weightcache_operator.spec``) is held to the same verdicts.
+spec check (``weightcache_operator.api.v1alpha1.weightcache_types``) is held to the same verdicts.
 """
 from __future__ import annotations
 
@@ -18,7 +18,12 @@ import jsonschema
 import pytest
 
 from operator_fixtures import LLAMA_SPEC, crd_schema, example_documents, load_crd, weightcache
-from weightcache_operator.spec import REFUSED_QUANTIZATION, REFUSED_WHY, SpecError, parse_spec
+from weightcache_operator.api.v1alpha1.weightcache_types import (
+    REFUSED_QUANTIZATION,
+    REFUSED_WHY,
+    SpecError,
+    parse_spec,
+)
 
 SCHEMA = crd_schema()
 CEL = celpy.Environment()

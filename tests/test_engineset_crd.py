@@ -3,7 +3,7 @@
 Admission is replayed as in tests/test_crd.py (the same helpers: structural
 defaulting, ``jsonschema`` for the OpenAPI schema, ``celpy`` for every
 ``x-kubernetes-validations`` rule at its place), and the operator's own parser
-(``engineset_spec.parse_engineset``) is held to the same verdicts.
+(``api.v1alpha1.engineset_types.parse_engineset``) is held to the same verdicts.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import pytest
 import yaml
 from operator_fixtures import CRD_PATH, example_documents
 from test_crd import CEL, apply_defaults, cel_violations, walk
-from weightcache_operator.engineset_spec import parse_engineset
-from weightcache_operator.spec import SpecError
+from weightcache_operator.api.v1alpha1.engineset_types import parse_engineset
+from weightcache_operator.api.v1alpha1.weightcache_types import SpecError
 
 CRD = yaml.safe_load((CRD_PATH.parent / "weightcache.io_enginesets.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]

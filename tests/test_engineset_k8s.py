@@ -22,7 +22,7 @@ from kopf.testing import KopfRunner
 from k8s_lab import Lab, ns_path, pods_path, wait_for
 from operator_fixtures import AgentServer
 from weightcache_operator.config import OperatorConfig
-from weightcache_operator.handlers import build_registry, build_settings
+from weightcache_operator.registry import build_registry, build_settings
 
 pytestmark = [pytest.mark.timeout(300)]
 

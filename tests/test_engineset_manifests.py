@@ -15,24 +15,24 @@ from typing import Any
 import celpy
 import kubernetes_validate
 import pytest
-from weightcache_operator.agents import AgentPod
+from weightcache_operator.api.v1alpha1.engineset_types import check_gpu_resources, parse_engineset
+from weightcache_operator.api.v1alpha1.weightcache_types import SpecError, parse_spec
 from weightcache_operator.config import OperatorConfig
-from weightcache_operator.engineset import primaries
-from weightcache_operator.engineset_manifests import (
+from weightcache_operator.controller.engineset.leases import primaries
+from weightcache_operator.controller.engineset.manifests import (
     placement_of,
     render_claim,
     render_pod,
     render_service,
     template_hash,
 )
-from weightcache_operator.engineset_spec import check_gpu_resources, parse_engineset
-from weightcache_operator.manifests import (
+from weightcache_operator.controller.engineset.placement import Placement, Replica, orphaned, place
+from weightcache_operator.controller.weightcache.agents import AgentPod
+from weightcache_operator.controller.weightcache.manifests import (
     render_agent_role_binding,
     render_agent_service_account,
 )
-from weightcache_operator.placement import Placement, Replica, orphaned, place
-from weightcache_operator.rollup import node_entry, node_replicas
-from weightcache_operator.spec import SpecError, parse_spec
+from weightcache_operator.controller.weightcache.rollup import node_entry, node_replicas
 
 LATEST = kubernetes_validate.utils.latest_version()
 CONFIG = OperatorConfig()

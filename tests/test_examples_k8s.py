@@ -78,7 +78,7 @@ def operator(lab: Lab, root: Path):
     from kopf.testing import KopfRunner
 
     from weightcache_operator.config import OperatorConfig
-    from weightcache_operator.handlers import build_registry, build_settings
+    from weightcache_operator.registry import build_registry, build_settings
 
     kubeconfig = e2e_bench.EndToEnd(lab)
     kubeconfig.root = root
@@ -140,7 +140,7 @@ def test_vllm_cache_and_engineset_are_accepted_and_rendered(k8s_chart: Lab, tmp_
 
 def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
     from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
-    from weightcache_operator import manifests
+    from weightcache_operator.controller.weightcache import manifests
 
     lab = k8s_chart
     root = Path(tempfile.mkdtemp(prefix="wc-ex-"))  # short: socket paths stay < 108 bytes

@@ -38,7 +38,7 @@ def test_operator_command_runs_without_torch():
             main(["operator", "--help"])
         except SystemExit as e:
             assert e.code == 0
-        import weightcache_operator.handlers, weightcache_operator.manifests
+        import weightcache_operator.registry, weightcache_operator.controller.weightcache.manifests
     """)
     assert proc.returncode == 0, proc.stderr
     assert "--all-namespaces" in proc.stdout

@@ -13,9 +13,9 @@ import pytest
 import yaml
 
 from operator_fixtures import LLAMA_SPEC
+from weightcache_operator.api.v1alpha1.weightcache_types import SpecError, parse_spec
 from weightcache_operator.config import OperatorConfig
-from weightcache_operator.kube import merge_patch_for
-from weightcache_operator.manifests import (
+from weightcache_operator.controller.weightcache.manifests import (
     ANNOTATION_SHARDING_HASH,
     ANNOTATION_SPEC_HASH,
     agent_args,
@@ -24,7 +24,7 @@ from weightcache_operator.manifests import (
     render_sharding_configmap,
     socket_dir,
 )
-from weightcache_operator.spec import SpecError, parse_spec
+from weightcache_operator.kube import merge_patch_for
 
 K8S_VERSIONS = ("1.28.0", kubernetes_validate.utils.latest_version())
 # The specs below name their own agent image: one the admin allows.

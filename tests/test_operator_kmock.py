@@ -42,7 +42,7 @@ from operator_fixtures import (
     weightcache,
     write_kubeconfig,
 )
-from weightcache_operator.manifests import ANNOTATION_SPEC_HASH
+from weightcache_operator.controller.weightcache.manifests import ANNOTATION_SPEC_HASH
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(60)]
 

@@ -13,17 +13,22 @@ import jsonschema
 import pytest
 
 from operator_fixtures import AgentServer, agent_pod, agent_status, crd_schema
-from weightcache_operator.agents import (
+from weightcache_operator.cli import config_from_args, parse_args
+from weightcache_operator.conditions import Desired, merge, transitions
+from weightcache_operator.controller.weightcache.agents import (
     AgentStatusError,
     fetch_agent_status,
     fetch_all,
     select_agent_pods,
     status_url,
 )
-from weightcache_operator.cli import config_from_args, parse_args
-from weightcache_operator.conditions import Desired, merge, transitions
-from weightcache_operator.handlers import STATUS_KEYS, status_patch
-from weightcache_operator.rollup import Rollout, agent_conditions, daemonset_rollout, summarize
+from weightcache_operator.controller.weightcache.reconciler import STATUS_KEYS, status_patch
+from weightcache_operator.controller.weightcache.rollup import (
+    Rollout,
+    agent_conditions,
+    daemonset_rollout,
+    summarize,
+)
 
 SELECTOR = {"app.kubernetes.io/name": "weightcache-agent", "weightcache.io/cache": "llama"}
 STATUS_SCHEMA = crd_schema()["properties"]["status"]

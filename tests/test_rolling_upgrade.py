@@ -2,10 +2,10 @@
 the operator's rollout planner driving them, and a client that never stops sending.
 
 What the operator does through the Kubernetes API, a small executor does here with the
-same decisions (`weightcache_operator.rollout`) and the same node-side calls: an engine
-"pod" is a `weightcache engine` process with the environment the operator injects; a
-switchover is `POST /switchover` on the node supervisor with the control token; retiring
-a pod is SIGTERM (the engine finishes what is in flight). The client routes each request
+same decisions (`weightcache_operator.controller.engineset.rollout`) and the same node-side
+calls: an engine "pod" is a `weightcache engine` process with the environment the operator
+injects; a switchover is `POST /switchover` on the node supervisor with the control token;
+retiring a pod is SIGTERM (the engine finishes what is in flight). The client routes each request
 to the group's primary as the agents say it is (what the serving label tells the Service).
 
 Two rollouts across three groups, one after the other:
@@ -36,7 +36,7 @@ from weightcache_agent import agent_status
 from weightcache_agent.errors import WeightCacheError
 from weightcache_agent.serve.process_group import EngineChild, http_json
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
-from weightcache_operator.rollout import EnginePod, Target, plan_rollout
+from weightcache_operator.controller.engineset.rollout import EnginePod, Target, plan_rollout
 
 TOKEN = "rolling-upgrade-control-token"
 GROUPS = 3

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from weightcache_operator.rollout import EnginePod, Target, plan_group, plan_rollout
+from weightcache_operator.controller.engineset.rollout import EnginePod, Target, plan_group, plan_rollout
 
 OLD, NEW = Target("t-old", "r1"), Target("t-new", "r1")
 

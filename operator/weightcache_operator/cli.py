@@ -77,7 +77,7 @@ def main(argv: list[str]) -> int:
     try:
         import kopf
 
-        from .handlers import build_registry, build_settings
+        from .registry import build_registry, build_settings
         from .kube import load_client_configuration
     except ModuleNotFoundError as e:
         return refuse(PROG, f"needs the {e.name} package, which is not installed: install the "

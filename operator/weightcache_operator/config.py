@@ -13,14 +13,14 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from .spec import SpecError
+from .api.v1alpha1.weightcache_types import SpecError
 
 # Defaults match the chart's values.yaml; a test checks that they agree.
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 DEFAULT_MODEL_ROOT = "/models"
 # The socket root is part of the contract with engine pods (they mount the cache's
-# directory under it, `manifests.socket_dir`), so it is a constant, not a value.
+# directory under it, `controller.weightcache.manifests.socket_dir`), so it is a constant, not a value.
 SOCKET_ROOT = "/run/weightcache"
 AGENT_HTTP_PORT = 9464
 
@@ -79,8 +79,8 @@ class OperatorConfig:
     agent_http_timeout: float = 3.0
     # Upper bound of per-node entries written into .status.nodes (the CRD's maxItems).
     max_node_entries: int = 32
-    # The key the agents' control tokens derive from (see control.py); None: no planned
-    # switchovers, so template rollouts stall with a condition saying why.
+    # The key the agents' control tokens derive from (see ``controller.weightcache.control``);
+    # None: no planned switchovers, so template rollouts stall with a condition saying why.
     control_key: bytes | None = None
 
     @classmethod

@@ -31,7 +31,7 @@ import kubernetes.client
 import kubernetes.config
 from kubernetes.client.exceptions import ApiException
 
-from . import API_GROUP, API_VERSION, ENGINESET_PLURAL, PLURAL
+from .api.v1alpha1 import API_GROUP, API_VERSION, ENGINESET_PLURAL, PLURAL
 
 MERGE_PATCH = "application/merge-patch+json"
 
@@ -107,7 +107,7 @@ def merge_patch_for(current: Any, desired: Any) -> Any:
 
 
 class KubeApi:
-    """Blocking calls; the handlers run them with ``asyncio.to_thread``."""
+    """Blocking calls; the reconcilers run them with ``asyncio.to_thread``."""
 
     def __init__(self, cfg: kubernetes.client.Configuration) -> None:
         self._client = kubernetes.client.ApiClient(cfg)

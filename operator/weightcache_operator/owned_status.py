@@ -1,6 +1,6 @@
 """The status keys a reconcile owns: where a pass starts from, and how it writes back.
 
-Both reconciles (WeightCache in ``handlers``, EngineSet in ``engineset``) own a fixed
+Both reconciles (``controller.weightcache`` and ``controller.engineset``) own a fixed
 set of ``.status`` keys and leave every other key alone. One pass:
 
 1. ``carried_status``: the old status is the object's, overlaid with what this
@@ -21,8 +21,8 @@ from typing import Any
 
 import kopf
 
+from .api.v1alpha1.weightcache_types import plain
 from .conditions import transitions
-from .spec import plain
 
 # Writes a status patch to one object: (namespace, name, patch) -> the object as written.
 StatusWriter = Callable[[str, str, Mapping[str, Any]], Any]

@@ -1,12 +1,13 @@
-"""kopf handlers: one level-based reconcile per WeightCache, run on every trigger.
+"""The WeightCache reconcile: one level-based pass per WeightCache, run on every trigger.
 
-Triggers: the object appears (create), the operator starts and finds it (resume),
-its spec changes (update), and a timer every ``poll_interval`` seconds. All of them
-run the same ``Reconciler.reconcile``, which does not care why it runs:
+Triggers (registered by ``registry``): the object appears (create), the operator
+starts and finds it (resume), its spec changes (update), and a timer every
+``poll_interval`` seconds. All of them run the same ``Reconciler.reconcile``, which
+does not care why it runs:
 
-1. parse the spec (``spec.parse_spec``); an invalid one sets Degraded + an Event and
-   leaves the running agents alone (no exception, so no retry storm, and other
-   WeightCaches are not affected);
+1. parse the spec (``api.v1alpha1.weightcache_types.parse_spec``); an invalid one
+   sets Degraded + an Event and leaves the running agents alone (no exception, so no
+   retry storm, and other WeightCaches are not affected);
 2. make sure the namespace has the agents' ServiceAccount ``weightcache-agent`` and
    its RoleBinding to the chart's ClusterRole (shared by every WeightCache in the
    namespace: each one adds itself as a non-controller owner, so garbage collection
@@ -23,40 +24,27 @@ run the same ``Reconciler.reconcile``, which does not care why it runs:
 
 Restarting the operator at any moment converges to the same state: nothing is
 remembered between runs that is not in the API (the spec hash lives on the
-DaemonSet, the conditions on the WeightCache).
-
-Finalizer: the only one is kopf's own (``weightcache.io/operator``), which kopf puts
-on every object that has a timer so that it can stop the object's timer before the
-object goes; without it a timer would outlive its object (kopf stops timers only
-on a deletion timestamp) and keep polling and re-creating children. It also holds the
-deletion of a WeightCache that an EngineSet still names in ``spec.cacheRef``, as
-Kubernetes holds a PersistentVolumeClaim a pod uses: the deletion handler finds the
-EngineSets, posts a Warning Event ``InUse`` naming them and retries until none is left
-(deleting the EngineSets, or pointing them elsewhere, lets it go). Otherwise the agents
-would go while the EngineSet's pods keep routing to engines whose agent is gone. The
-DaemonSet and ConfigMap go through owner-reference garbage collection. Consequence:
-while no operator runs, deleting a WeightCache waits for the operator to come back (or
-for someone to remove the finalizer); the chart's notes say to delete WeightCaches
-before uninstalling the operator.
+DaemonSet, the conditions on the WeightCache). How a WeightCache's deletion waits
+while an EngineSet uses it: see ``registry``.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
-from . import owned_status
+from ... import owned_status
+from ...api.v1alpha1.weightcache_types import SpecError, parse_spec, plain
+from ...conditions import DEGRADED, Desired, merge
+from ...kube import merge_patch_for
+from ...owned_status import carried_status, publish_status
+from ...reconciler import ObjectReconciler
 from .agents import ask_agents
-from .conditions import DEGRADED, Desired, merge
 from .control import render_control_secret, status_token
-from .config import OperatorConfig
-from .engineset import EngineSetReconciler
-from .kube import KubeApi, connection_info, load_client_configuration, merge_patch_for
 from .manifests import (
     ANNOTATION_SPEC_HASH,
     LABEL_MANAGED_BY,
@@ -71,9 +59,6 @@ from .manifests import (
     socket_dir,
 )
 from .rollup import agent_conditions, daemonset_rollout, integrity_news, node_entry, spec_conditions, summarize
-from .owned_status import carried_status, publish_status
-from .reconciler import ObjectReconciler
-from .spec import SpecError, parse_spec, plain
 from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
 
 ARENA_INTEGRITY = "ArenaIntegrity"  # Event and condition reason: an agent found its arena changed
@@ -317,106 +302,3 @@ class Reconciler(ObjectReconciler):
         assert self.api is not None
         await publish_status(body, memo, logger, old, new, STATUS_KEYS, status_patch(old, new),
                              self.api.patch_cache_status)
-
-
-def build_settings(settings: kopf.OperatorSettings | None = None) -> kopf.OperatorSettings:
-    """kopf settings for this operator (also used by the tests' KopfRunner)."""
-    settings = settings or kopf.OperatorSettings()
-    # kopf's own bookkeeping goes into annotations under our group, never into
-    # .status (the CRD's structural schema would prune unknown status fields).
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration")
-    settings.persistence.finalizer = f"{API_GROUP}/operator"
-    # Our own Events are explicit (condition transitions, child writes); kopf's log
-    # lines become Events only when they are warnings or errors.
-    settings.posting.level = logging.WARNING
-    # One replica (Deployment strategy Recreate): no peering objects, no RBAC for them.
-    settings.peering.standalone = True
-    settings.peering.mandatory = False
-    # Watches that silently stall behind load balancers are restarted.
-    settings.watching.server_timeout = 600
-    settings.watching.client_timeout = 660
-    return settings
-
-
-def build_registry(
-    config: OperatorConfig,
-    *,
-    kubeconfig: str | None = None,
-    context: str | None = None,
-) -> tuple[kopf.OperatorRegistry, Reconciler]:
-    """All handlers of the operator (WeightCache and EngineSet), on a fresh registry (no module-level state)."""
-    registry = kopf.OperatorRegistry()
-    reconciler = Reconciler(config)
-    engines = EngineSetReconciler(config)
-    resource = (API_GROUP, API_VERSION, PLURAL)
-
-    @kopf.on.login(registry=registry)
-    def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
-        cfg = load_client_configuration(kubeconfig, context)
-        old, reconciler.api = reconciler.api, KubeApi(cfg)
-        engines.api = reconciler.api
-        if old is not None:
-            old.close()
-        logger.info(f"logged in to {cfg.host}")
-        return connection_info(cfg, trust_env=settings.networking.trust_env)
-
-    @kopf.on.cleanup(registry=registry)
-    def cleanup(**_: Any) -> None:
-        if reconciler.api is not None:
-            reconciler.api.close()
-
-    register_level_based(registry, resource, reconciler.reconcile, config,
-                         ("reconcile-resume", "reconcile-create", "reconcile-update", "poll"), KIND)
-
-    @kopf.on.delete(*resource, registry=registry, id="held-while-in-use")
-    async def held_while_in_use(body: kopf.Body, logger: Any, **_: Any) -> None:
-        meta = body.get("metadata") or {}
-        assert reconciler.api is not None
-        try:
-            users = await asyncio.to_thread(reconciler.api.enginesets_using, meta["namespace"], meta["name"])
-        except ApiException as e:
-            raise kopf.TemporaryError(f"cannot list EngineSets: API error {e.status}: {e.reason}", delay=5) from e
-        if users:
-            message = (f"deletion waits: EngineSet {', '.join(users[:5])} uses this WeightCache (spec.cacheRef); "
-                       "delete it, or point it at another cache, and the deletion goes on")
-            kopf.event(body, type="Warning", reason="InUse", message=message[:1024])
-            raise kopf.TemporaryError(message, delay=config.poll_interval)
-    register_level_based(registry, (API_GROUP, API_VERSION, ENGINESET_PLURAL), engines.reconcile, config,
-                         ("engineset-resume", "engineset-create", "engineset-update", "engineset-poll"),
-                         ENGINESET_KIND)
-    return registry, reconciler
-
-
-def register_level_based(registry: kopf.OperatorRegistry, resource: tuple[str, str, str],
-                         reconcile: Callable[..., Awaitable[None]], config: OperatorConfig,
-                         ids: tuple[str, str, str, str], kind: str) -> None:
-    """One level-based reconcile on every trigger: resume, create, a spec change, and a timer."""
-
-    async def on_change(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        try:
-            await reconcile(body, memo, logger)
-        except ApiException as e:
-            # Conflicts and transient API errors: retry soon from a fresh read.
-            raise kopf.TemporaryError(f"API error {e.status}: {e.reason}", delay=5) from e
-
-    resume, create, update, timer = ids
-    kopf.on.resume(*resource, registry=registry, id=resume)(on_change)
-    kopf.on.create(*resource, registry=registry, id=create)(on_change)
-    kopf.on.update(*resource, registry=registry, id=update, field="spec")(on_change)
-
-    async def poll(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
-        try:
-            await reconcile(body, memo, logger)
-        except ApiException as e:
-            # The next tick retries; a timer error must not stop the timer.
-            logger.warning(f"{kind} reconcile failed, retrying in {config.poll_interval}s: "
-                           f"API error {e.status}: {e.reason}")
-
-    kopf.timer(
-        *resource, registry=registry, id=timer,
-        interval=config.poll_interval,
-        # create/resume reconcile right away; the first poll can wait a little.
-        initial_delay=min(5.0, config.poll_interval),
-    )(poll)

@@ -6,7 +6,7 @@ off, validation bypassed) and the ones only the operator can check, because they
 need the WeightCache: the engine template must not ask the device plugin for a
 number of GPUs other than the cache's tensor-parallel size.
 
-Every failure is a ``SpecError`` (the WeightCache's, from ``spec``) with a CamelCase
+Every failure is a ``SpecError`` (the WeightCache's, from ``weightcache_types``) with a CamelCase
 reason and a message naming the field; the reconcile turns it into a condition and
 an Event and leaves the running pods alone. Downstream code (placement, builders)
 sees only ``EngineSetSpec``.
@@ -18,7 +18,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .spec import SpecError, plain
+from .weightcache_types import SpecError, plain
 
 MODES = ("dra", "visibleDevices")
 DEFAULT_PORT = 8000

@@ -1,7 +1,7 @@
 """Pure builders: a validated ``CacheSpec`` -> the Kubernetes objects that serve it.
 
 No I/O and no kopf here: the same inputs give the same dicts, byte for byte, so the
-handlers can hash what they render and skip writes when nothing changed, and tests
+reconcile can hash what they render and skip writes when nothing changed, and tests
 can validate every object against the Kubernetes OpenAPI schemas.
 
 What one WeightCache ``<ns>/<name>`` becomes:
@@ -19,7 +19,7 @@ What one WeightCache ``<ns>/<name>`` becomes:
   for its one API write at a failover (the serving label of the promoted engine pod;
   the chart's admission policy admits nothing else).
 
-Owner references are added by the handlers (they need the live owner's uid).
+Owner references are added by the reconcile (they need the live owner's uid).
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from typing import Any
 
 import yaml
 
-from .config import AGENT_HTTP_PORT, SOCKET_ROOT, OperatorConfig
-from .spec import CacheSpec
+from ...api.v1alpha1.weightcache_types import CacheSpec
+from ...config import AGENT_HTTP_PORT, SOCKET_ROOT, OperatorConfig
 
 LABEL_CACHE = "weightcache.io/cache"
 LABEL_NAME = "app.kubernetes.io/name"

@@ -19,8 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...conditions import DEGRADED, LOADING, READY, Desired
 from .agents import AgentPod, AgentStatusError
-from .conditions import DEGRADED, LOADING, READY, Desired
 
 PHASES = ("Pending", "Loading", "Ready", "Failed", "Unknown")
 # Listing order when capping: what needs attention first.

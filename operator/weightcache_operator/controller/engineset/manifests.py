@@ -29,9 +29,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .config import OperatorConfig
-from .engineset_spec import GPU_RESOURCE, EngineSetSpec
-from .manifests import (
+from ...api.v1alpha1.engineset_types import GPU_RESOURCE, EngineSetSpec
+from ...api.v1alpha1.weightcache_types import CacheSpec
+from ...config import OperatorConfig
+from ..weightcache.manifests import (
     GPU_TOLERATION,
     LABEL_CACHE,
     LABEL_MANAGED_BY,
@@ -44,7 +45,6 @@ from .manifests import (
     socket_dir,
 )
 from .placement import Placement
-from .spec import CacheSpec
 
 LABEL_ENGINESET = "weightcache.io/engineset"
 LABEL_GROUP = "weightcache.io/group"

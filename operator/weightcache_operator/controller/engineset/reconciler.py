@@ -1,15 +1,16 @@
 """The EngineSet reconcile: engine pods on a cache's GPUs, and serving labels that follow the agents.
 
 Runs on the same triggers as the WeightCache reconcile (create, resume, spec change
-including ``kubectl scale``, and a timer), on the same registry (``handlers``
+including ``kubectl scale``, and a timer), on the same registry (``registry``
 registers it), and, like it, does not care why it runs. One pass:
 
-1. parse the spec (``engineset_spec``); read the WeightCache it names and check the
-   template against the cache's tensor-parallel size, and (mode dra) that the
-   DeviceClass exists. Any problem: Ready=False, Degraded=True with the reason,
+1. parse the spec (``api.v1alpha1.engineset_types``); read the WeightCache it names
+   and check the template against the cache's tensor-parallel size, and (mode dra)
+   that the DeviceClass exists. Any problem: Ready=False, Degraded=True with the reason,
    an Event, nothing touched, no exception (no retry storm; other EngineSets go on);
-2. ask the cache's agents for ``/status`` (``agents.ask_agents``): the Ready replicas
-   of the cache per node, and per lease group the pod the agent holds as primary;
+2. ask the cache's agents for ``/status`` (``controller.weightcache.agents.ask_agents``):
+   the Ready replicas of the cache per node, and per lease group the pod the agent holds
+   as primary (``leases``);
 3. read back this EngineSet's pods and claims (label ``weightcache.io/engineset``
    and controller owner reference), their placement from their annotations, and
    place the groups (``placement.place``: existing groups stay, new ones spread);
@@ -44,16 +45,27 @@ import dataclasses
 import datetime
 import json
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from . import owned_status
-from .agents import AgentStatusError, ask_agents
-from .conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339
-from .engineset_manifests import (
+from ... import owned_status
+from ...api.v1alpha1.engineset_types import EngineSetSpec, check_gpu_resources, parse_engineset
+from ...api.v1alpha1.weightcache_types import CacheSpec, SpecError, parse_spec, plain
+from ...conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339
+from ...kube import merge_patch_for
+from ...owned_status import carried_status, publish_status
+from ...reconciler import ObjectReconciler
+from ..weightcache.agents import AgentStatusError, ask_agents
+from ..weightcache.control import SwitchoverError, control_token, post_switchover, status_token
+from ..weightcache.manifests import model_dir
+from ..weightcache.manifests import selector_labels as agent_selector_labels
+from ..weightcache.rollup import node_replicas
+from ..weightcache.transition import holds_for_memory, model_of
+from .leases import PodRef, pod_roles, primaries
+from .manifests import (
     ANNOTATION_MODEL,
     LABEL_ENGINESET,
     LABEL_GROUP,
@@ -71,18 +83,8 @@ from .engineset_manifests import (
     selector_string,
     template_hash,
 )
-from .engineset_spec import EngineSetSpec, check_gpu_resources, parse_engineset
-from .kube import merge_patch_for
-from .manifests import model_dir
-from .transition import holds_for_memory, model_of
-from .manifests import selector_labels as agent_selector_labels
-from .control import SwitchoverError, control_token, post_switchover, status_token
 from .placement import Placement, Replica, orphaned, place
 from .rollout import EnginePod, Step, Target, plan_group
-from .rollup import node_replicas
-from .owned_status import carried_status, publish_status
-from .reconciler import ObjectReconciler
-from .spec import CacheSpec, SpecError, parse_spec, plain
 
 STATUS_KEYS = (
     "observedGeneration", "replicas", "readyGroups", "servingGroups", "standbys", "selector",
@@ -108,64 +110,6 @@ def _api_message(e: ApiException) -> str:
         return str(json.loads(e.body or "{}").get("message") or e.reason)[:512]
     except (ValueError, AttributeError):
         return str(e.reason)
-
-
-@dataclasses.dataclass(frozen=True)
-class PodRef:
-    """An engine pod as an agent's lease names it."""
-
-    namespace: str | None
-    name: str
-    uid: str | None
-    promoted_at: float | None = None
-
-
-def _lease_lists(rank: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
-    for key in ("leases", "clients"):
-        leases = rank.get(key)
-        if isinstance(leases, list):
-            yield from (x for x in leases if isinstance(x, Mapping))
-
-
-def primaries(doc: Mapping[str, Any]) -> dict[str, PodRef]:
-    """Per lease group, the pod an agent's ``/status`` holds as primary.
-
-    Leases are reported per rank (``ranks[].leases`` or ``ranks[].clients``), each
-    with ``role``, ``group`` and ``pod: {namespace, name, uid}``. Rank 0 is the one
-    that writes the serving label at a failover, so its view wins; other ranks fill
-    in groups rank 0 does not list. Malformed entries are skipped.
-    """
-    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
-    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
-    out: dict[str, PodRef] = {}
-    for rank in ranks:
-        for lease in _lease_lists(rank):
-            group, pod = lease.get("group"), lease.get("pod")
-            if lease.get("role") != "primary" or not isinstance(group, str) or group in out:
-                continue
-            if not isinstance(pod, Mapping) or not isinstance(pod.get("name"), str) or not pod["name"]:
-                continue
-            promoted = lease.get("promotedAt", lease.get("promoted_at"))
-            out[group] = PodRef(
-                namespace=pod.get("namespace") if isinstance(pod.get("namespace"), str) else None,
-                name=pod["name"],
-                uid=pod.get("uid") if isinstance(pod.get("uid"), str) and pod.get("uid") else None,
-                promoted_at=float(promoted) if isinstance(promoted, (int, float)) and not isinstance(promoted, bool) else None,
-            )
-    return out
-
-
-def pod_roles(doc: Mapping[str, Any]) -> dict[str, str]:
-    """Pod name -> the role an agent's leases give it (rank 0's view first, as in `primaries`)."""
-    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
-    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
-    out: dict[str, str] = {}
-    for rank in ranks:
-        for lease in _lease_lists(rank):
-            pod, role = lease.get("pod"), lease.get("role")
-            if isinstance(pod, Mapping) and isinstance(pod.get("name"), str) and isinstance(role, str):
-                out.setdefault(pod["name"], role)
-    return out
 
 
 def pod_failure(pod: Mapping[str, Any]) -> str | None:

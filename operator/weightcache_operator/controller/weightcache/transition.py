@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .conditions import DEGRADED
+from ...conditions import DEGRADED
 
 HELD_FOR_MEMORY = "InsufficientMemory"  # the Degraded reason while a transition is held
 

@@ -22,10 +22,10 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .config import AGENT_HTTP_PORT
+from ...config import AGENT_HTTP_PORT
 
 if TYPE_CHECKING:
-    from .kube import KubeApi
+    from ...kube import KubeApi
 
 # A node's status is a few KiB; anything larger is not an agent talking.
 MAX_STATUS_BYTES = 1 << 20

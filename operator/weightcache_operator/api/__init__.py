@@ -1,0 +1,1 @@
+"""The custom resources' API, one subpackage per version (as the CRDs in crds/ declare them)."""
