@@ -88,9 +88,9 @@ class VllmExample(e2e_bench.EndToEnd):
         from kopf.testing import KopfRunner
 
         from weightcache_agent.testing.synthetic import qwen2_shape, write_llama_checkpoint, write_word_tokenizer
-        from weightcache_operator import manifests
+        from weightcache_operator.controller.weightcache import manifests
         from weightcache_operator.config import OperatorConfig
-        from weightcache_operator.handlers import build_registry, build_settings
+        from weightcache_operator.registry import build_registry, build_settings
 
         lab = self.lab
         self.ns = NS
