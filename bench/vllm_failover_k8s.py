@@ -288,7 +288,7 @@ def failovers(example: VllmExample, client: Client, trials: int) -> list[Failove
         out.append(FailoverTrial(trial, None if first is None else first - t0))
         print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: EndpointSlice "
               f"{trial.endpoint_s * 1e3:.0f} ms, first completion "
-              f"{'-' if first is None else f'{(first - t0) * 1e3:.0f} ms'}", file=sys.stderr)
+              f"{'-' if first is None else f'{(first - t0) * 1e3:.0f} ms'}", file=sys.__stderr__, flush=True)
     return out
 
 
@@ -349,20 +349,21 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
+    out = sys.__stdout__  # the operator's runner holds sys.stdout and sys.stderr while it runs
     started = time.monotonic()
     lab = Lab.start((NODE,))
     try:
         install_or_upgrade_chart(lab)
         lab.kubectl("-n", "weightcache-system", "scale", "deployment", "--all", "--replicas=0")
         with VllmExample(lab, vllm_python) as example:
-            print(f"four vLLM engines, two groups, serving after {time.monotonic() - started:.0f} s", file=sys.stderr)
-            print(memory_table(example))
+            print(f"four vLLM engines, two groups, serving after {time.monotonic() - started:.0f} s", file=out)
+            print(memory_table(example), file=out, flush=True)
             with Client(example) as client:
                 since = time.perf_counter()
                 trials = failovers(example, client, args.trials)
                 example.wait_settled(range(example.replicas), timeout=600)
-            print(failover_table(trials, client, since))
-            print(memory_table(example))
+            print(failover_table(trials, client, since), file=out)
+            print(memory_table(example), file=out, flush=True)
             if not args.no_rollout:
                 with Client(example) as client:
                     since = time.perf_counter()
@@ -370,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rollout over {example.replicas} groups: {rollout.seconds:.0f} s, serving "
                       f"{rollout.old_serving} -> {rollout.new_serving}; client: {len(client.records)} completions, "
                       f"{len(client.failed(since))} failed; spans without a ready serving endpoint: "
-                      f"{len(rollout.empty_windows)}")
+                      f"{len(rollout.empty_windows)}", file=out, flush=True)
     finally:
         lab.stop()
     print(f"wall {time.monotonic() - started:.0f} s")
