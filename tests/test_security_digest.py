@@ -60,7 +60,7 @@ def attacker(command: dict) -> dict:
 @needs_root
 def test_scheduled_and_on_demand_checks_and_the_narrow_hand_out(model, disk, capsys):
     base = agent_dir()
-    agent = open_agent(model, base, "agent", "--device", "cpu",  # the cpu digest; the GPU's: test_security_digest_cuda
+    agent = open_agent(model, base, "agent", "--backend", "cpu",  # the cpu digest; the GPU's: test_security_digest_cuda
                        "--scrub-interval", "0.3", "--max-leases", str(MAX_LEASES))
     child = None
     try:
