@@ -65,7 +65,8 @@ NODE = "node-vllm"
 MODEL_ROOT = "/srv/models"
 CPU_DEVICES = ["cpu-0", "cpu-1"]
 KV_CACHE_GIB = 1
-PROMPT = "w11 w12 w13 w14 w15"
+PROMPT = [11, 12, 13, 14, 15]  # token ids, the OpenAI API's array form (transformers reads the synthetic
+# word-level tokenizer of a Qwen2 checkpoint with Qwen2's own pre-tokenizer, which finds no words in text)
 
 
 def vllm_environment(kv_cache_gib: int = KV_CACHE_GIB) -> dict[str, str]:
