@@ -14,10 +14,11 @@ loopback port (pods share one loopback here); vLLM's CPU build sizes its KV cach
 `--enable-sleep-mode`, a CUDA allocator's feature, which is dropped from the command: on CPU
 a standby releases its KV cache without it.
 
-The client: one thread sends OpenAI completions without pause, alternating between the
+The client: one thread sends OpenAI completions, one every 50 ms, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
-port). A request that fails (connection refused or reset, a 5xx) is retried once on what
-the EndpointSlice lists then; it counts as failed only if the retry fails too.
+port). A request that fails (connection refused or reset, a 5xx) is retried once, as soon as
+the EndpointSlice lists another engine of its group (at most 2 s later); it counts as failed
+only if the retry fails too.
 
 A trial: SIGKILL of a group's primary pod (its API server, engine core and worker) -> the
 agent promotes the standby (whose worker first takes its KV cache back) -> the serving label
@@ -65,14 +66,17 @@ NODE = "node-vllm"
 MODEL_ROOT = "/srv/models"
 CPU_DEVICES = ["cpu-0", "cpu-1"]
 KV_CACHE_GIB = 1
+RETRY_WAIT_S = 2.0  # the longest a failed request waits for the Service to move before its one retry
+PACE_S = 0.05  # between two completions: steady traffic that leaves this small machine's cores to the engines
 PROMPT = [11, 12, 13, 14, 15]  # token ids, the OpenAI API's array form (transformers reads the synthetic
 # word-level tokenizer of a Qwen2 checkpoint with Qwen2's own pre-tokenizer, which finds no words in text)
 
 
 def vllm_environment(kv_cache_gib: int = KV_CACHE_GIB) -> dict[str, str]:
     """What a CPU node's environment gives vLLM's processes here (see the module docstring)."""
-    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1"}
+    # nobind: vLLM would pin every engine's threads to the same first core of this small machine
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
 class VllmExample(e2e_bench.EndToEnd):
@@ -155,6 +159,20 @@ class VllmExample(e2e_bench.EndToEnd):
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
                          for p in sorted((self.root / "logs").iterdir()) if p.is_file())
 
+    def pod_states(self) -> dict[str, str]:
+        """pod -> `ready=<bool> serving=<label> restarts=<n>`, for a message."""
+        out = {}
+        for p in self.pods():
+            ready = any(c["type"] == "Ready" and c["status"] == "True"
+                        for c in p.get("status", {}).get("conditions") or [])
+            restarts = ((p["status"].get("containerStatuses") or [{}])[0]).get("restartCount", 0)
+            out[p["metadata"]["name"]] = (f"ready={ready} serving={p['metadata']['labels'].get(e2e_bench.SERVING)} "
+                                          f"restarts={restarts}")
+        return out
+
+    def all_leases(self) -> dict[str, dict[str, str]]:
+        return {device: self.leases(device) for device in CPU_DEVICES}
+
     def port_of(self, pod: str) -> int | None:
         run = self.kubelet.run_of(NS, pod)
         return run.host_ports.get(8000) if run is not None else None
@@ -210,7 +228,7 @@ class Request:
 
 @dataclass
 class Client:
-    """OpenAI completions without pause, alternating groups, routed by the EndpointSlice (one retry)."""
+    """OpenAI completions, alternating groups, routed by the EndpointSlice (one retry)."""
 
     example: VllmExample
     records: list[Request] = field(default_factory=list)
@@ -234,11 +252,21 @@ class Client:
             pod, error = self._once(group)
             retried = pod is None
             if retried:
-                time.sleep(0.05)
+                self._wait_for_another_endpoint(group, error.split(":", 1)[0])
                 pod, error2 = self._once(group)
                 error = f"{error}; retry: {error2}" if pod is None else error
             self.records.append(Request(start, time.perf_counter(), group, pod, pod is not None, retried, error))
             group = (group + 1) % self.example.replicas
+            self.stop.wait(PACE_S)
+
+    def _wait_for_another_endpoint(self, group: int, failed: str) -> None:
+        """Before the one retry: until the EndpointSlice lists another engine of the group than the one
+        that failed (a client behind a Service retries once the Service moved), at most RETRY_WAIT_S."""
+        deadline = time.monotonic() + RETRY_WAIT_S
+        while time.monotonic() < deadline and not self.stop.is_set():
+            if any(e2e_bench.group_of(n) == group and n != failed for n in self.example.watch.current()):
+                return
+            time.sleep(0.01)
 
     def _once(self, group: int) -> tuple[str | None, str]:
         serving = sorted(n for n in self.example.watch.current() if e2e_bench.group_of(n) == group)
@@ -264,9 +292,9 @@ class Client:
         finally:
             conn.close()
 
-    def first_answer(self, pod: str, since: float) -> float | None:
-        """perf_counter time of the first completion `pod` answered that was sent after `since`."""
-        return next((r.end for r in list(self.records) if r.pod == pod and r.start >= since), None)
+    def first_answer(self, pod: str, since: float) -> Request | None:
+        """The first completion `pod` answered that was sent after `since`."""
+        return next((r for r in list(self.records) if r.pod == pod and r.start >= since), None)
 
     def failed(self, since: float = 0.0) -> list[Request]:
         return [r for r in list(self.records) if not r.ok and r.start >= since]
@@ -276,20 +304,26 @@ class Client:
 class FailoverTrial:
     trial: e2e_bench.Trial
     first_token_s: float | None  # kill -> the promoted engine's first answered completion
+    first_request_s: float | None  # that completion's own time, sent to answered
 
 
 def failovers(example: VllmExample, client: Client, trials: int) -> list[FailoverTrial]:
     out = []
     for i in range(trials):
         t0 = time.perf_counter()
-        trial = example.kill_and_time(i % example.replicas)
+        try:
+            trial = example.kill_and_time(i % example.replicas)
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; pods: {example.pod_states()}; agent: {example.all_leases()}") from None
         deadline = time.monotonic() + 30
         while (first := client.first_answer(trial.promoted, t0)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
-        out.append(FailoverTrial(trial, None if first is None else first - t0))
+        out.append(FailoverTrial(trial, None if first is None else first.end - t0,
+                                 None if first is None else first.end - first.start))
         print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: EndpointSlice "
               f"{trial.endpoint_s * 1e3:.0f} ms, first completion "
-              f"{'-' if first is None else f'{(first - t0) * 1e3:.0f} ms'}", file=sys.__stderr__, flush=True)
+              f"{'-' if first is None else f'{(first.end - t0) * 1e3:.0f} ms ({(first.end - first.start) * 1e3:.0f} ms)'}",
+              file=sys.__stderr__, flush=True)
     return out
 
 
@@ -327,7 +361,9 @@ def failover_table(trials: list[FailoverTrial], client: Client, since: float) ->
     for name, values in (("agent holds the standby as primary", [t.trial.promotion_s for t in trials]),
                          ("EndpointSlice lists the standby ready", [t.trial.endpoint_s for t in trials]),
                          ("first completion from the new primary",
-                          [t.first_token_s for t in trials if t.first_token_s is not None])):
+                          [t.first_token_s for t in trials if t.first_token_s is not None]),
+                         ("(that completion, sent -> answered)",
+                          [t.first_request_s for t in trials if t.first_request_s is not None])):
         if values:
             lines.append(f"{name:<42} {len(values):>6} {ms(values)}")
     records = [r for r in client.records if r.start >= since]

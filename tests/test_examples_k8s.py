@@ -133,7 +133,7 @@ def test_vllm_engineset_serves_and_fails_over_as_shipped(k8s_chart: Lab) -> None
     node: bench/vllm_failover_k8s.py): its agents run with vLLM's layout; two groups of a vLLM
     primary and a standby reach serving, none restarted; each standby has given its KV cache back
     (its worker's anonymous memory at least 90% of the KV cache below its primary's); an OpenAI
-    client sends completions through the EndpointSlice without pause; SIGKILL of a primary: the
+    client sends completions through the EndpointSlice; SIGKILL of a primary: the
     standby takes its KV cache back, the EndpointSlice lists it, it answers, and no request failed
     (one retry allowed). Twenty trials and a rollout: bench/vllm_failover_k8s.py."""
     assert VLLM_PYTHON, "CI must provide $WEIGHTCACHE_VLLM_PYTHON (tests/vllm_venv.sh)"
