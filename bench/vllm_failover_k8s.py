@@ -57,7 +57,7 @@ for p in (REPO / "bench", REPO / "tests", REPO / "node_agent", REPO / "operator"
 
 import failover_e2e_k8s as e2e_bench  # noqa: E402
 from fake_kubelet import FakeKubelet  # noqa: E402
-from k8s_lab import Lab, wait_for  # noqa: E402
+from k8s_lab import Lab  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "engineset-vllm.yaml"
 NS, ENGINESET, CACHE = "default", "chat-vllm", "qwen-7b-vllm"  # what the example names
