@@ -14,7 +14,9 @@
      read-only, and a repack is a private copy of every weight); on CUDA unquantized layers
      process nothing;
   4. counts parameter bytes that are arena views and bytes that are copies, logs them in one
-     line and exports them as Prometheus gauges.
+     line and exports them as Prometheus gauges;
+  5. hands the lease to `vllm_standby`: a standby gives its KV cache's memory back once warm,
+     and takes it again when the agent promotes it.
 A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
 vLLM's default loader with one WARNING naming the reason, or, with `"fallback": false`,
 fails with that reason in one ERROR line.
