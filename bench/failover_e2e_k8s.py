@@ -115,6 +115,7 @@ class Trial:
     promoted: str
     endpoint_s: float   # kill -> the EndpointSlice lists the promoted standby as ready
     promotion_s: float  # kill -> the agent holds the standby's lease as primary
+    killed_at: float = 0.0  # perf_counter time of the kill
 
 
 @dataclass
@@ -367,7 +368,7 @@ class EndToEnd:
         poller.join(timeout=10)
         if not seen:
             raise TimeoutError(f"the agent never reported {standby} primary")
-        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0])
+        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0], t0[0])
 
     def measure(self, trials: int, *, warmup: int = 2, progress: bool = False) -> Results:
         """`warmup` + `trials` failovers, alternating between the groups; the EndpointSlice checked

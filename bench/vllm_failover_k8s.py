@@ -310,11 +310,11 @@ class FailoverTrial:
 def failovers(example: VllmExample, client: Client, trials: int) -> list[FailoverTrial]:
     out = []
     for i in range(trials):
-        t0 = time.perf_counter()
         try:
             trial = example.kill_and_time(i % example.replicas)
         except TimeoutError as e:
             raise TimeoutError(f"{e}; pods: {example.pod_states()}; agent: {example.all_leases()}") from None
+        t0 = trial.killed_at
         deadline = time.monotonic() + 30
         while (first := client.first_answer(trial.promoted, t0)) is None and time.monotonic() < deadline:
             time.sleep(0.01)
