@@ -14,7 +14,7 @@ loopback port (pods share one loopback here); vLLM's CPU build sizes its KV cach
 `--enable-sleep-mode`, a CUDA allocator's feature, which is dropped from the command: on CPU
 a standby releases its KV cache without it.
 
-The client: one thread sends OpenAI completions, one every 50 ms, alternating between the
+The client: one thread sends OpenAI completions, one every 200 ms, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
 port). A request that fails (connection refused or reset, a 5xx) is retried once, as soon as
 the EndpointSlice lists another engine of its group (at most 2 s later); it counts as failed
@@ -67,7 +67,7 @@ MODEL_ROOT = "/srv/models"
 CPU_DEVICES = ["cpu-0", "cpu-1"]
 KV_CACHE_GIB = 1
 RETRY_WAIT_S = 2.0  # the longest a failed request waits for the Service to move before its one retry
-PACE_S = 0.05  # between two completions: steady traffic that leaves this small machine's cores to the engines
+PACE_S = 0.2  # between two completions: steady traffic that leaves this small machine's cores to the engines
 PROMPT = [11, 12, 13, 14, 15]  # token ids, the OpenAI API's array form (transformers reads the synthetic
 # word-level tokenizer of a Qwen2 checkpoint with Qwen2's own pre-tokenizer, which finds no words in text)
 
