@@ -16,9 +16,9 @@ a standby releases its KV cache without it.
 
 The client: one thread sends OpenAI completions, one every 200 ms, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
-port). A request that fails (connection refused or reset, a 5xx) is retried once, as soon as
-the EndpointSlice lists another engine of its group (at most 2 s later); it counts as failed
-only if the retry fails too.
+port). A request that fails (connection refused or reset, a 5xx) is retried once on another
+engine of its group, as soon as the EndpointSlice lists one (at most 2 s later); it counts as
+failed only if the retry fails too.
 
 A trial: SIGKILL of a group's primary pod (its API server, engine core and worker) -> the
 agent promotes the standby (whose worker first takes its KV cache back) -> the serving label
@@ -253,8 +253,9 @@ class Client:
             pod, error = self._once(group)
             retried = pod is None
             if retried:
-                self._wait_for_another_endpoint(group, error.split(":", 1)[0])
-                pod, error2 = self._once(group)
+                failed = error.split(":", 1)[0]
+                self._wait_for_another_endpoint(group, failed)
+                pod, error2 = self._once(group, avoid=failed)
                 error = f"{error}; retry: {error2}" if pod is None else error
             self.records.append(Request(start, time.perf_counter(), group, pod, pod is not None, retried, error))
             group = (group + 1) % self.example.replicas
@@ -269,8 +270,9 @@ class Client:
                 return
             time.sleep(0.01)
 
-    def _once(self, group: int) -> tuple[str | None, str]:
-        serving = sorted(n for n in self.example.watch.current() if e2e_bench.group_of(n) == group)
+    def _once(self, group: int, avoid: str = "") -> tuple[str | None, str]:
+        # a killed engine stays listed until the kubelet notices: a retry goes to another one
+        serving = sorted(n for n in self.example.watch.current() if e2e_bench.group_of(n) == group and n != avoid)
         if not serving:
             return None, f"no endpoint of group {group}"
         pod = serving[0]
@@ -321,10 +323,10 @@ def failovers(example: VllmExample, client: Client, trials: int) -> list[Failove
             time.sleep(0.01)
         out.append(FailoverTrial(trial, None if first is None else first.end - t0,
                                  None if first is None else first.end - first.start))
+        answered = ("-" if first is None else
+                    f"{(first.end - t0) * 1e3:.0f} ms ({(first.end - first.start) * 1e3:.0f} ms)")
         print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: EndpointSlice "
-              f"{trial.endpoint_s * 1e3:.0f} ms, first completion "
-              f"{'-' if first is None else f'{(first.end - t0) * 1e3:.0f} ms ({(first.end - first.start) * 1e3:.0f} ms)'}",
-              file=sys.__stderr__, flush=True)
+              f"{trial.endpoint_s * 1e3:.0f} ms, first completion {answered}", file=sys.__stderr__, flush=True)
     return out
 
 

@@ -145,8 +145,8 @@ def _wrap(cls: type, name: str, *, before: Any = None, after: Any = None) -> Non
             after(self)
         return result
 
+    functools.update_wrapper(wrapper, original)
     wrapper._weightcache = True  # type: ignore[attr-defined]
-    wrapper.__name__, wrapper.__doc__, wrapper.__wrapped__ = name, original.__doc__, original  # type: ignore[attr-defined]
     setattr(cls, name, wrapper)
 
 
