@@ -56,12 +56,7 @@ e2e_bench = sys.modules.get("failover_e2e_k8s") or importlib.util.module_from_sp
 if "failover_e2e_k8s" not in sys.modules:
     sys.modules["failover_e2e_k8s"] = e2e_bench
     spec.loader.exec_module(e2e_bench)
-vllm_spec = importlib.util.spec_from_file_location("vllm_failover_k8s", REPO / "bench" / "vllm_failover_k8s.py")
-assert vllm_spec and vllm_spec.loader
-vllm_bench = sys.modules.get("vllm_failover_k8s") or importlib.util.module_from_spec(vllm_spec)
-if "vllm_failover_k8s" not in sys.modules:
-    sys.modules["vllm_failover_k8s"] = vllm_bench
-    vllm_spec.loader.exec_module(vllm_bench)
+vllm_bench = e2e_bench._sibling("vllm_failover_k8s")  # loaded as failover_e2e_k8s loads its siblings
 VLLM_PYTHON = os.environ.get("WEIGHTCACHE_VLLM_PYTHON")
 
 NODE = "node-examples"
