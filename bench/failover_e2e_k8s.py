@@ -116,6 +116,7 @@ class Trial:
     endpoint_s: float   # kill -> the EndpointSlice lists the promoted standby as ready
     promotion_s: float  # kill -> the agent holds the standby's lease as primary
     killed_at: float = 0.0  # perf_counter time of the kill
+    closed_s: float | None = None  # kill -> the killed engine's lease is gone (the kernel closed its socket)
 
 
 @dataclass
@@ -341,6 +342,7 @@ class EndToEnd:
         primary, standby, device = self.wait_settled([group], timeout=self.settle_timeout)[group]
         sock = self.socket_path(device)
         seen: list[float] = []
+        closed: list[float] = []
         go = threading.Event()
         t0 = [0.0]
 
@@ -349,13 +351,15 @@ class EndToEnd:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
                 try:
-                    clients = agent_status(sock, timeout=1).get("clients") or []
+                    clients = [c for c in agent_status(sock, timeout=1).get("clients") or [] if c.get("pod")]
                 except (OSError, ValueError):
                     clients = []
                 now = time.perf_counter()
-                if t0[0] and any(c.get("pod", {}).get("name") == standby and c.get("role") == "primary"
-                                 for c in clients if c.get("pod")):
+                if t0[0] and clients and not closed and all(c["pod"].get("name") != primary for c in clients):
+                    closed.append(now)
+                if t0[0] and any(c["pod"].get("name") == standby and c.get("role") == "primary" for c in clients):
                     seen.append(now)
+                    closed.append(now)
                     return
                 time.sleep(0.002)
 
@@ -368,7 +372,7 @@ class EndToEnd:
         poller.join(timeout=10)
         if not seen:
             raise TimeoutError(f"the agent never reported {standby} primary")
-        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0], t0[0])
+        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0], t0[0], closed[0] - t0[0])
 
     def measure(self, trials: int, *, warmup: int = 2, progress: bool = False) -> Results:
         """`warmup` + `trials` failovers, alternating between the groups; the EndpointSlice checked
