@@ -33,6 +33,7 @@ import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -141,6 +142,38 @@ def group_of(pod: str) -> int:
     return int(pod.rsplit("-", 2)[1])
 
 
+def operator_runner(lab: Lab, namespace: str, root: Path, config: Any) -> Any:
+    """kopf's runner of the operator watching `namespace`, authenticated as the chart's service
+    account (every call goes through its RBAC); a context manager, not started yet."""
+    from kopf.testing import KopfRunner
+
+    from weightcache_operator.registry import build_registry, build_settings
+
+    token = lab.bound_token("weightcache-system", "weightcache")
+    kubeconfig = root / "operator.kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "operator",
+        "clusters": [{"name": "lab", "cluster": {"server": lab.server, "certificate-authority": str(lab.ca_path)}}],
+        "users": [{"name": "operator", "user": {"token": token}}],
+        "contexts": [{"name": "operator", "context": {"cluster": "lab", "user": "operator"}}]}))
+    registry, _ = build_registry(config, kubeconfig=str(kubeconfig))
+    return KopfRunner(["run", "--standalone", "--namespace", namespace], registry=registry, settings=build_settings(),
+                      timeout=60)
+
+
+def sweep(root: Path) -> None:
+    """Kill, by pid, any process still running with an argument under `root`: the kubelet kills a
+    pod's process group, and an agent's workers run in groups of their own."""
+    here = str(root)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if any(a.startswith(here + "/") for a in args):
+                os.kill(int(entry.name), signal.SIGKILL)
+
+
 class EndToEnd:
     """The operator, the fake kubelet of node-1 (agent + engines), a WeightCache and an EngineSet.
 
@@ -176,12 +209,7 @@ class EndToEnd:
         self.stack.close()
 
     def _start(self) -> None:
-        from kopf.testing import KopfRunner
-
         from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
-        from weightcache_operator.config import OperatorConfig
-        from weightcache_operator.controller.weightcache import manifests
-        from weightcache_operator.registry import build_registry, build_settings
 
         lab, api = self.lab, self.api
         self.ns = ns = lab.namespace("e2e")
@@ -199,29 +227,8 @@ class EndToEnd:
         lab.apply({"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": "nvidia"},
                    "handler": "nvidia"})
 
-        # Every fake node shares this machine's loopback: the agent's HTTP port is a free one.
-        old_port = manifests.AGENT_HTTP_PORT
-        manifests.AGENT_HTTP_PORT = _free_port()
-        self.stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
-
-        self.kubelet = FakeKubelet(lab, [NODE], namespace=ns, host_root=self.root, loopback_labels=AGENT_LABELS,
-                                   argv_hook=self._agent_argv, probe_interval=self.probe_interval,
-                                   log_dir=self.root / "logs", kill_timeout=3.0)
-        (self.root / "logs").mkdir()
-
         # A control key, as the chart gives the operator one: rollouts switch groups over through the agents.
-        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0,
-                                control_key=b"end-to-end-control-key-0123456789")
-        registry, _ = build_registry(config, kubeconfig=str(self._operator_kubeconfig()))
-        runner = KopfRunner(["run", "--standalone", "--namespace", ns], registry=registry,
-                            settings=build_settings(), timeout=60)
-        runner.__enter__()
-        self.runner = runner
-        self.stack.callback(self._stop_operator)
-        self.stack.callback(self._delete_resources)  # runs before the operator stops
-        self.stack.callback(self._sweep)              # what outlived its pod (an agent's workers)
-        self.kubelet.start()
-        self.stack.callback(self.kubelet.stop)        # and first of all: the processes
+        self._run_node_and_operator(b"end-to-end-control-key-0123456789", self._agent_argv)
 
         api.create(f"{WC}/namespaces/{ns}/weightcaches", {
             "apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": CACHE},
@@ -248,17 +255,28 @@ class EndToEnd:
             return [*argv, "--replicas", "2"]
         return argv
 
-    def _operator_kubeconfig(self) -> Path:
-        """The operator authenticates as the chart's service account: every call goes through its RBAC."""
-        token = self.lab.bound_token("weightcache-system", "weightcache")
-        path = self.root / "operator.kubeconfig"
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "operator",
-            "clusters": [{"name": "lab", "cluster": {"server": self.lab.server,
-                                                     "certificate-authority": str(self.lab.ca_path)}}],
-            "users": [{"name": "operator", "user": {"token": token}}],
-            "contexts": [{"name": "operator", "context": {"cluster": "lab", "user": "operator"}}]}))
-        return path
+    def _run_node_and_operator(self, control_key: bytes, argv_hook: Callable[[dict[str, Any], list[str]], list[str]]) -> None:
+        """The fake kubelet of `self.node` (its agent on a free HTTP port: every fake node shares this
+        machine's loopback) and the operator; on exit, in reverse: processes, resources, operator."""
+        from weightcache_operator.config import OperatorConfig
+        from weightcache_operator.controller.weightcache import manifests
+
+        old_port = manifests.AGENT_HTTP_PORT
+        manifests.AGENT_HTTP_PORT = _free_port()
+        self.stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
+        (self.root / "logs").mkdir()
+        self.kubelet = FakeKubelet(self.lab, [self.node], namespace=self.ns, host_root=self.root,
+                                   loopback_labels=AGENT_LABELS, argv_hook=argv_hook,
+                                   probe_interval=self.probe_interval, log_dir=self.root / "logs", kill_timeout=3.0)
+        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0,
+                                control_key=control_key)
+        self.runner = operator_runner(self.lab, self.ns, self.root, config)
+        self.runner.__enter__()
+        self.stack.callback(self._stop_operator)
+        self.stack.callback(self._delete_resources)  # runs before the operator stops
+        self.stack.callback(sweep, self.root)         # what outlived its pod (an agent's workers)
+        self.kubelet.start()
+        self.stack.callback(self.kubelet.stop)        # and first of all: the processes
 
     def _delete_resources(self) -> None:
         for plural, name in (("enginesets", self.engineset), ("weightcaches", self.cache)):
@@ -267,20 +285,6 @@ class EndToEnd:
             with contextlib.suppress(TimeoutError):
                 wait_for(lambda p=plural, n=name: self.api.get_or_none(f"{WC}/namespaces/{self.ns}/{p}/{n}") is None,
                          timeout=20, what=f"{plural}/{name} gone")
-
-    def _sweep(self) -> None:
-        """Kill, by pid, any process still running with an argument under this setup's directory: the
-        kubelet kills a pod's process group, and an agent's workers run in groups of their own."""
-        import signal
-
-        here = str(self.root)
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) == os.getpid():
-                continue
-            with contextlib.suppress(OSError):
-                args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-                if any(a.startswith(here + "/") for a in args):
-                    os.kill(int(entry.name), signal.SIGKILL)
 
     def _stop_operator(self) -> None:
         self.runner.__exit__(None, None, None)

@@ -22,10 +22,11 @@ failed only if the retry fails too.
 
 A trial: SIGKILL of a group's primary pod (its API server, engine core and worker) -> the
 agent promotes the standby (whose worker first takes its KV cache back) -> the serving label
-moves -> the EndpointSlice lists it. Timed from the kill: the EndpointSlice, the agent's
-lease, and the first completion answered by the promoted engine. The killed pod restarts
-(vLLM's own start, a minute on this machine) and attaches as the group's standby; trials
-alternate between the groups. Then a template change (a vLLM flag) rolls both groups,
+moves -> the EndpointSlice lists it. Timed from the kill: the killed engine's lease ending
+(the kernel closes a dying process's socket once it has unmapped its memory), the agent holding
+the standby as primary, the EndpointSlice, and the first completion answered by the promoted
+engine. The killed pod restarts (vLLM's own start, minutes on this machine beside three other
+engines) and attaches as the group's standby; trials alternate between the groups. Then a template change (a vLLM flag) rolls both groups,
 make before break, under the same traffic.
 
     WEIGHTCACHE_VLLM_PYTHON=$(tests/vllm_venv.sh) python bench/vllm_failover_k8s.py --trials 20
@@ -56,7 +57,6 @@ for p in (REPO / "bench", REPO / "tests", REPO / "node_agent", REPO / "operator"
         sys.path.insert(0, str(p))
 
 import failover_e2e_k8s as e2e_bench  # noqa: E402
-from fake_kubelet import FakeKubelet  # noqa: E402
 from k8s_lab import Lab  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "engineset-vllm.yaml"
@@ -91,12 +91,7 @@ class VllmExample(e2e_bench.EndToEnd):
         self.settle_timeout = settle_timeout
 
     def _start(self) -> None:
-        from kopf.testing import KopfRunner
-
         from weightcache_agent.testing.synthetic import qwen2_shape, write_llama_checkpoint, write_word_tokenizer
-        from weightcache_operator.controller.weightcache import manifests
-        from weightcache_operator.config import OperatorConfig
-        from weightcache_operator.registry import build_registry, build_settings
 
         lab = self.lab
         self.ns = NS
@@ -114,25 +109,7 @@ class VllmExample(e2e_bench.EndToEnd):
         lab.ensure_device_class()
         self.stack.callback(lab.kubectl, "delete", "resourceslice", lab.publish_gpus(NODE, CPU_DEVICES),
                             "--ignore-not-found", check=False)
-        old_port = manifests.AGENT_HTTP_PORT
-        manifests.AGENT_HTTP_PORT = e2e_bench._free_port()  # every fake node shares this machine's loopback
-        self.stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
-
-        (self.root / "logs").mkdir()
-        self.kubelet = FakeKubelet(lab, [NODE], namespace=NS, host_root=self.root,
-                                   loopback_labels=e2e_bench.AGENT_LABELS, argv_hook=self._argv,
-                                   probe_interval=self.probe_interval, log_dir=self.root / "logs", kill_timeout=3.0)
-        config = OperatorConfig(model_root=MODEL_ROOT, poll_interval=self.poll_interval, agent_http_timeout=1.0,
-                                control_key=b"vllm-example-control-key-0123456789")
-        registry, _ = build_registry(config, kubeconfig=str(self._operator_kubeconfig()))
-        self.runner = KopfRunner(["run", "--standalone", "--namespace", NS], registry=registry,
-                                 settings=build_settings(), timeout=60)
-        self.runner.__enter__()
-        self.stack.callback(self._stop_operator)
-        self.stack.callback(self._delete_resources)
-        self.stack.callback(self._sweep)
-        self.kubelet.start()
-        self.stack.callback(self.kubelet.stop)
+        self._run_node_and_operator(b"vllm-example-control-key-0123456789", self._argv)
 
         text = EXAMPLE.read_text()
         assert text.count('"--port", "8000"') == 1
@@ -350,10 +327,10 @@ def memory_table(example: VllmExample) -> str:
     for group, (primary, standby, _) in sorted(example.wait_settled(range(example.replicas), timeout=600).items()):
         for pod, role in ((primary, "primary"), (standby, "standby")):
             mem = example.worker_memory(pod)
-            released = [line.split("weightcache: ", 1)[1] for line in example.log_of(pod).splitlines()
-                        if "released its KV cache" in line]
+            events = [line.split("weightcache: ", 1)[1] for line in example.log_of(pod).splitlines()
+                      if "released its KV cache" in line or "KV cache back" in line]  # the last one says
             lines.append(f"{pod:<22} {role:<8} {mem.get('RssAnon', 0) / 2**20:>11.0f} "
-                         f"{mem.get('RssShmem', 0) / 2**20:>12.1f}  {released[-1] if released else 'held'}")
+                         f"{mem.get('RssShmem', 0) / 2**20:>12.1f}  {events[-1] if events else 'held'}")
     return "\n".join(lines)
 
 
@@ -404,12 +381,13 @@ def main(argv: list[str] | None = None) -> int:
         with VllmExample(lab, vllm_python) as example:
             print(f"four vLLM engines, two groups, serving after {time.monotonic() - started:.0f} s", file=out)
             print(memory_table(example), file=out, flush=True)
-            with Client(example) as client:
-                since = time.perf_counter()
-                trials = failovers(example, client, args.trials)
-                example.wait_settled(range(example.replicas), timeout=600)
-            print(failover_table(trials, client, since), file=out)
-            print(memory_table(example), file=out, flush=True)
+            if args.trials:
+                with Client(example) as client:
+                    since = time.perf_counter()
+                    trials = failovers(example, client, args.trials)
+                    example.wait_settled(range(example.replicas), timeout=600)
+                print(failover_table(trials, client, since), file=out)
+                print(memory_table(example), file=out, flush=True)
             if not args.no_rollout:
                 with Client(example) as client:
                     since = time.perf_counter()

@@ -18,7 +18,8 @@ does. As a kubelet mounts a service-account token, the process gets
 ``WEIGHTCACHE_KUBE_TOKEN`` and ``WEIGHTCACHE_KUBE_CA``, a token of the pod's service account
 bound to the pod (unless ``automountServiceAccountToken`` is false) and the cluster CA; a
 ``projected`` volume's ``serviceAccountToken`` sources are minted for their audience, bound
-to the pod, and written where the volume is mounted (with ``host_root``).
+to the pod, and written where the volume is mounted (with ``host_root``). Like the kubelet,
+it mints every such token again once 80% of its lifetime has passed.
 Any other pod (no command, an image-only command, ``run_commands=False``) is only marked
 Running: enough for pods that must merely look alive.
 
@@ -110,6 +111,8 @@ class PodRun:
     last_exit: dict[str, Any] | None = None  # the previous container's end, for lastState
     deleting: bool = False
     host_ports: dict[int, int] = field(default_factory=dict)  # containerPort -> loopback port it listens on
+    # service-account token files -> (audiences, lifetime s, monotonic time to mint it again)
+    tokens: dict[Path, tuple[list[str] | None, int, float]] = field(default_factory=dict)
 
     @property
     def key(self) -> str:
@@ -330,17 +333,12 @@ class FakeKubelet:
         source's audience, bound to the pod (other kinds of source are left out)."""
         local = self.log_dir / f"{run.namespace}_{run.name}.volumes" / name
         local.mkdir(parents=True, exist_ok=True)
-        sa = run.pod.get("spec", {}).get("serviceAccountName") or "default"
         for source in projected.get("sources") or []:
             token = source.get("serviceAccountToken")
             if not token:
                 continue
-            req = self.api.create(f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", {
-                "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-                "spec": {"audiences": [token["audience"]] if token.get("audience") else None,
-                         "expirationSeconds": token.get("expirationSeconds", 3600),
-                         "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}}})
-            (local / token["path"]).write_text(req["status"]["token"])
+            self._mint(run, local / token["path"], [token["audience"]] if token.get("audience") else None,
+                       token.get("expirationSeconds", 3600))
         return local
 
     @staticmethod
@@ -388,20 +386,33 @@ class FakeKubelet:
         spec = run.pod.get("spec", {})
         if spec.get("automountServiceAccountToken") is False:
             return {}
-        sa = spec.get("serviceAccountName") or "default"
-        req = self.api.create(f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", {
-            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
-            "spec": {"expirationSeconds": 3600,
-                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}}})
         secrets = self.log_dir / f"{run.namespace}_{run.name}.serviceaccount"
         secrets.mkdir(exist_ok=True)
-        (secrets / "token").write_text(req["status"]["token"])
+        self._mint(run, secrets / "token", None, 3600)
         (secrets / "ca.crt").write_bytes(self.lab.ca_path.read_bytes())
         (secrets / "namespace").write_text(run.namespace)
         server = urllib.parse.urlsplit(self.lab.server)
         return {"KUBERNETES_SERVICE_HOST": server.hostname or "127.0.0.1",
                 "KUBERNETES_SERVICE_PORT": str(server.port or 443),
                 "WEIGHTCACHE_KUBE_TOKEN": str(secrets / "token"), "WEIGHTCACHE_KUBE_CA": str(secrets / "ca.crt")}
+
+    def _mint(self, run: PodRun, path: Path, audiences: list[str] | None, ttl: int) -> None:
+        """A token of the pod's service account bound to the pod, written to `path` whole (a reader never
+        sees half of one); minted again once 80% of its lifetime has passed, as the kubelet rotates it."""
+        sa = run.pod.get("spec", {}).get("serviceAccountName") or "default"
+        req = self.api.create(f"/api/v1/namespaces/{run.namespace}/serviceaccounts/{sa}/token", {
+            "apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": audiences, "expirationSeconds": ttl,
+                     "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": run.name, "uid": run.uid}}})
+        fresh = path.with_name(f".{path.name}.new")
+        fresh.write_text(req["status"]["token"])
+        os.replace(fresh, path)
+        run.tokens[path] = (audiences, ttl, time.monotonic() + 0.8 * ttl)
+
+    def _rotate_tokens(self, run: PodRun) -> None:
+        for path, (audiences, ttl, due) in list(run.tokens.items()):
+            if time.monotonic() >= due:
+                self._mint(run, path, audiences, ttl)
 
     def container_env(self, pod: dict[str, Any], run: PodRun, container: dict[str, Any]) -> dict[str, str]:
         env = dict(os.environ) if self.inherit_env else {}
@@ -565,6 +576,10 @@ class FakeKubelet:
             for run in runs:
                 if run.reported and run.reported[0] in ("Succeeded", "Failed"):
                     continue
+                try:
+                    self._rotate_tokens(run)
+                except Exception as e:  # the API server busy: the next tick tries again
+                    self.errors.append(f"token {run.key}: {e}")
                 desired = self._desired(run)
                 if desired == run.reported:
                     continue

@@ -81,25 +81,11 @@ def test_every_example_and_the_readme_quick_start_have_a_test_here() -> None:
 
 @contextlib.contextmanager
 def operator(lab: Lab, root: Path):
-    from kopf.testing import KopfRunner
-
     from weightcache_operator.config import OperatorConfig
-    from weightcache_operator.registry import build_registry, build_settings
 
-    kubeconfig = e2e_bench.EndToEnd(lab)
-    kubeconfig.root = root
-    config = OperatorConfig(poll_interval=1.0, agent_http_timeout=1.0)
-    registry, _ = build_registry(config, kubeconfig=str(kubeconfig._operator_kubeconfig()))
-    with KopfRunner(["run", "--standalone", "--namespace", NS], registry=registry, settings=build_settings(),
-                    timeout=60) as runner:
+    with e2e_bench.operator_runner(lab, NS, root, OperatorConfig(poll_interval=1.0, agent_http_timeout=1.0)) as runner:
         yield runner
     assert runner.exception is None
-
-
-def sweep(root: Path) -> None:
-    sweeper = e2e_bench.EndToEnd.__new__(e2e_bench.EndToEnd)
-    sweeper.root = root
-    sweeper._sweep()
 
 
 def test_llama_70b_is_accepted_and_rendered(k8s_chart: Lab, tmp_path: Path) -> None:
@@ -201,7 +187,7 @@ def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
         kubelet = FakeKubelet(lab, [NODE], namespace=NS, host_root=root, loopback_labels=e2e_bench.AGENT_LABELS,
                               argv_hook=agent_argv, probe_interval=1.0, log_dir=root / "logs", kill_timeout=3.0)
         stack.enter_context(operator(lab, root))
-        stack.callback(sweep, root)
+        stack.callback(e2e_bench.sweep, root)
         stack.callback(delete_examples, lab)  # while the operator still runs: its finalizers
         kubelet.start()
         stack.callback(kubelet.stop)

@@ -88,6 +88,16 @@ def test_runs_the_command_with_the_pods_env_and_probes_readiness(k8s_lab: Lab, n
     assert me["username"] == f"system:serviceaccount:{ns}:default"
     assert me["extra"]["authentication.kubernetes.io/pod-name"] == ["engine"]
     assert me["extra"]["authentication.kubernetes.io/node-name"] == ["node-1"]
+    # minted again once 80% of its lifetime has passed (as the kubelet rotates it): made due now
+    token_file = Path(env["WEIGHTCACHE_KUBE_TOKEN"])
+    first, run = token_file.read_text(), kubelet.run_of(ns, "engine")
+    assert run is not None and token_file in run.tokens
+    audiences, ttl, _ = run.tokens[token_file]
+    run.tokens[token_file] = (audiences, ttl, 0.0)
+    second = wait_for(lambda: (t := token_file.read_text()) != first and t, timeout=10, what="the token minted again")
+    me = ApiClient(k8s_lab.server, Path(env["WEIGHTCACHE_KUBE_CA"]), token=second).create(
+        "/apis/authentication.k8s.io/v1/selfsubjectreviews", {})["status"]["userInfo"]
+    assert me["extra"]["authentication.kubernetes.io/pod-name"] == ["engine"]
     # running, but the probe says not ready yet
     status = wait_for(lambda: (s := pod_status(k8s_lab, ns, "engine")).get("phase") == "Running" and s,
                       timeout=10, what="phase Running")

@@ -184,8 +184,10 @@ def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models
         assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's vLLM server needs it"
     log_path = tmp_path / "server.log"
     agent = subprocess.Popen(agent_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = vllm_env()
-    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # one engine, vLLM's own thread binding
+    # one engine, vLLM's own thread binding; a 1 GiB KV cache, where the README's 0.5 would be half
+    # of this machine's memory on vLLM's CPU build (zeroed at start)
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_CPU_OMP_THREADS_BIND")
     with open(log_path, "w") as log_file:
         server = subprocess.Popen(vllm_cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
     try:
