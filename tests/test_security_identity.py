@@ -83,6 +83,7 @@ def agent(scene: Scene, model: str):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    proc.token_path = identity.token_path  # what the kubelet would refresh in place
     try:
         proc.wait_ready()
         yield proc
@@ -195,6 +196,18 @@ def test_only_a_pod_the_api_server_vouches_for_gets_a_lease(scene: Scene, agent,
         for key in ("NAMESPACE", "NAME", "UID"):
             monkeypatch.delenv(f"WEIGHTCACHE_POD_{key}")
         right_bytes(agent, disk)
+
+        # The agent's own token refused by the API server: the engine is told so, the agent says why in
+        # one ERROR, and once its token is good again the same engine is let in (nothing remembered).
+        good = agent.token_path.read_text()
+        agent.token_path.write_text("revoked")
+        mine = attach_message(scene.tokens["chat-0-1"], pod={"namespace": scene.a, "name": "chat-0-1",
+                                                             "uid": scene.uids["chat-0-1"]})
+        refused = ask(mine)
+        assert refused["code"] == "identity_refused" and "agent's own credentials" in refused["message"], refused
+        assert f"does not accept this agent's own service-account token ({agent.token_path})" in agent.log()
+        agent.token_path.write_text(good)
+        assert ask(mine)["type"] == "manifest"
     finally:
         child.close()
     no_traceback(agent)

@@ -14,7 +14,9 @@ How: one kept-alive HTTPS connection to the API server, authenticated with the a
 own service-account token (the same files and variables as serve/serving_label.py).
 Answers are cached by the token's SHA-256 until the token expires (at most
 `CACHE_SECONDS`), refusals for `REFUSAL_SECONDS`: an engine's ranks and rejoins cost no
-further call, and a client that repeats a bad token costs one call. Before any call a
+further call, and a client that repeats a bad token costs one call. When the agent cannot ask
+(its own token refused, the API server unreachable) the engine is refused and nothing is
+remembered: it gets in once the agent can ask again. Before any call a
 token must look like a JWT for our audience that has not expired (read, not trusted):
 garbage never reaches the API server. At most `MAX_CONCURRENT` reviews run at once.
 """
@@ -48,6 +50,11 @@ SA_PREFIX = "system:serviceaccount:"
 
 class IdentityRefused(WeightCacheError):
     """The token proves no pod (forged, expired, wrong audience, another node) or cannot be checked."""
+
+
+class ReviewUnavailable(IdentityRefused):
+    """The agent cannot check tokens now (its own credentials refused, the API server unreachable):
+    nothing is learnt about the token, so the refusal is not remembered for it."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,8 @@ class PodVerifier:
         try:
             with self._slots:
                 answer: PodIdentity | str = self._review(token)
+        except ReviewUnavailable:
+            raise
         except IdentityRefused as e:
             answer = str(e)
         if isinstance(answer, PodIdentity) and self.node and answer.node != self.node:
@@ -149,9 +158,13 @@ class PodVerifier:
         if status == 403:
             log.error("cannot verify engine tokens: the API server refused a TokenReview (%s); bind the ClusterRole "
                       "weightcache-agent-tokenreview to this agent's service account", doc.get("message", ""))
-            raise IdentityRefused("the agent may not verify tokens (see its log)")
+            raise ReviewUnavailable("the agent may not verify tokens (see its log)")
+        if status == 401:
+            log.error("cannot verify engine tokens: the API server does not accept this agent's own service-account "
+                      "token (%s): expired or revoked, and not refreshed in place", self.token_path)
+            raise ReviewUnavailable("the API server refused the agent's own credentials (see its log)")
         if status >= 300:
-            raise IdentityRefused(f"token review failed: HTTP {status}")
+            raise ReviewUnavailable(f"token review failed: HTTP {status}")
         review = doc.get("status") or {}
         user = review.get("user") or {}
         if not review.get("authenticated") or self.audience not in (review.get("audiences") or [self.audience]):
@@ -176,7 +189,7 @@ class PodVerifier:
         try:
             token = self.token_path.read_text().strip()  # the kubelet rotates it: read each time
         except OSError as e:
-            raise IdentityRefused(f"the agent's service-account token {self.token_path}: {e.strerror or e}") from None
+            raise ReviewUnavailable(f"the agent's service-account token {self.token_path}: {e.strerror or e}") from None
         headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json",
                    "Accept": "application/json"}
         with self._conn_lock:
@@ -192,7 +205,7 @@ class PodVerifier:
                     self._conn.close()
                     self._conn = None
                     if attempt:
-                        raise IdentityRefused(f"token review: API server unreachable ({e})") from None
+                        raise ReviewUnavailable(f"token review: API server unreachable ({e})") from None
                     continue
                 if resp.will_close:
                     self._conn.close()
