@@ -255,7 +255,8 @@ class EndToEnd:
             return [*argv, "--replicas", "2"]
         return argv
 
-    def _run_node_and_operator(self, control_key: bytes, argv_hook: Callable[[dict[str, Any], list[str]], list[str]]) -> None:
+    def _run_node_and_operator(self, control_key: bytes,
+                               argv_hook: Callable[[dict[str, Any], list[str]], list[str]]) -> None:
         """The fake kubelet of `self.node` (its agent on a free HTTP port: every fake node shares this
         machine's loopback) and the operator; on exit, in reverse: processes, resources, operator."""
         from weightcache_operator.config import OperatorConfig
@@ -359,12 +360,13 @@ class EndToEnd:
                 except (OSError, ValueError):
                     clients = []
                 now = time.perf_counter()
-                if t0[0] and clients and not closed and all(c["pod"].get("name") != primary for c in clients):
-                    closed.append(now)
-                if t0[0] and any(c["pod"].get("name") == standby and c.get("role") == "primary" for c in clients):
-                    seen.append(now)
-                    closed.append(now)
-                    return
+                if t0[0] and clients:
+                    if any(c["pod"].get("name") == standby and c.get("role") == "primary" for c in clients):
+                        seen.append(now)
+                        closed.append(now)  # the killed lease went at the latest now (also when unseen)
+                        return
+                    if not closed and all(c["pod"].get("name") != primary for c in clients):
+                        closed.append(now)
                 time.sleep(0.002)
 
         poller = threading.Thread(target=poll, name="promotion-poll", daemon=True)

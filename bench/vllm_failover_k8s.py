@@ -26,8 +26,9 @@ moves -> the EndpointSlice lists it. Timed from the kill: the killed engine's le
 (the kernel closes a dying process's socket once it has unmapped its memory), the agent holding
 the standby as primary, the EndpointSlice, and the first completion answered by the promoted
 engine. The killed pod restarts (vLLM's own start, minutes on this machine beside three other
-engines) and attaches as the group's standby; trials alternate between the groups. Then a template change (a vLLM flag) rolls both groups,
-make before break, under the same traffic.
+engines) and attaches as the group's standby; trials alternate between the groups. Then a
+template change (a vLLM flag) rolls both groups, make before break, under the same traffic
+(`--trials 0`: the rollout alone).
 
     WEIGHTCACHE_VLLM_PYTHON=$(tests/vllm_venv.sh) python bench/vllm_failover_k8s.py --trials 20
 
@@ -302,8 +303,8 @@ def failovers(example: VllmExample, client: Client, trials: int) -> list[Failove
                                  None if first is None else first.end - first.start))
         answered = ("-" if first is None else
                     f"{(first.end - t0) * 1e3:.0f} ms ({(first.end - first.start) * 1e3:.0f} ms)")
-        print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: lease ended {trial.closed_s * 1e3:.0f} ms, "
-              f"promoted {trial.promotion_s * 1e3:.0f} ms, EndpointSlice {trial.endpoint_s * 1e3:.0f} ms, "
+        print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: lease ended "
+              f"{trial.closed_s * 1e3:.0f} ms, promoted {trial.promotion_s * 1e3:.0f} ms, EndpointSlice {trial.endpoint_s * 1e3:.0f} ms, "
               f"first completion {answered}", file=sys.__stderr__, flush=True)
     return out
 
