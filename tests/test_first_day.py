@@ -4,6 +4,7 @@ leaving nothing lost (the agent keeps serving, the files stay). Every case runs 
 command as a real process."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -51,9 +52,16 @@ def bash_blocks(section: str) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct loopback ports nothing listens on now (held open together, so never the same one twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
 
 
 def stop_session(leader: int, timeout: float = 30) -> None:
@@ -75,11 +83,11 @@ def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_
     """The agent line of the quick start, then the reference engine's block as one script, with
     only the model directory, the socket and the ports replaced by this machine's."""
     sock = os.path.join(run_dir, "llama.sock")
-    primary_port, standby_port = free_port(), free_port()
+    ports = dict(zip(("8000", "8001"), map(str, free_ports(2))))
 
     def localize(text: str) -> str:
         text = text.replace("/models/llama-3-8b", model).replace("/run/weightcache/llama.sock", sock)
-        return text.replace("8000", str(primary_port)).replace("8001", str(standby_port))
+        return re.sub(r"(?<!\d)800[01](?!\d)", lambda m: ports[m[0]], text)  # one pass: a port never re-replaced
 
     agent_line = next(line for line in bash_blocks("Quick start")[0].splitlines()
                       if line.startswith("weightcache agent"))
