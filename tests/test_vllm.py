@@ -185,7 +185,7 @@ def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models
     log_path = tmp_path / "server.log"
     agent = subprocess.Popen(agent_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # one engine, vLLM's own thread binding; a 1 GiB KV cache, where the README's 0.5 would be half
-    # of this machine's memory on vLLM's CPU build (zeroed at start)
+    # of this machine's memory on vLLM's CPU build
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_CPU_OMP_THREADS_BIND")
     with open(log_path, "w") as log_file:
