@@ -304,8 +304,9 @@ def failovers(example: VllmExample, client: Client, trials: int) -> list[Failove
         answered = ("-" if first is None else
                     f"{(first.end - t0) * 1e3:.0f} ms ({(first.end - first.start) * 1e3:.0f} ms)")
         print(f"  trial {i + 1}/{trials}: {trial.killed} -> {trial.promoted}: lease ended "
-              f"{trial.closed_s * 1e3:.0f} ms, promoted {trial.promotion_s * 1e3:.0f} ms, EndpointSlice {trial.endpoint_s * 1e3:.0f} ms, "
-              f"first completion {answered}", file=sys.__stderr__, flush=True)
+              f"{trial.closed_s * 1e3:.0f} ms, promoted {trial.promotion_s * 1e3:.0f} ms, "
+              f"EndpointSlice {trial.endpoint_s * 1e3:.0f} ms, first completion {answered}",
+              file=sys.__stderr__, flush=True)
     return out
 
 
@@ -350,14 +351,14 @@ def failover_table(trials: list[FailoverTrial], client: Client, since: float) ->
         if values:
             lines.append(f"{name:<42} {len(values):>6} {ms(values)}")
     records = [r for r in client.records if r.start >= since]
+    failed = client.failed(since)
     lines.append(f"client: {len(records)} completions, {sum(r.retried and r.ok for r in records)} answered on the "
-                 f"retry, {len(client.failed(since))} failed")
-    reasons = sorted({r.error for r in client.failed(since)})
-    if reasons:
-        lines.append("failed: " + " | ".join(reasons[:5]))
+                 f"retry, {len(failed)} failed")
+    if failed:
+        lines.append("failed: " + " | ".join(sorted({r.error for r in failed})[:5]))
     p99 = e2e_bench.percentile([t.trial.endpoint_s for t in trials], 99)
     lines.append(f"kill -> EndpointSlice p99 {p99 * 1e3:.0f} ms: {'PASS' if p99 <= BAR_P99_S else 'BAR MISSED'} "
-                 f"(bar {BAR_P99_S * 1e3:.0f} ms); failed requests: {len(client.failed(since))} (bar 0)")
+                 f"(bar {BAR_P99_S * 1e3:.0f} ms); failed requests: {len(failed)} (bar 0)")
     return "\n".join(lines)
 
 

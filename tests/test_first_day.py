@@ -4,7 +4,6 @@ leaving nothing lost (the agent keeps serving, the files stay). Every case runs 
 command as a real process."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -12,7 +11,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +19,7 @@ import pytest
 
 from agent_fixtures import AgentProcess
 from engine_fixtures import SMALL_LLAMA, short_run_dir
+from k8s_lab import free_ports
 from test_cli_mistakes import one_line, weightcache
 from weightcache_agent import CacheSpec, agent_status, protocol
 from weightcache_agent.load.fingerprint import engine_request
@@ -49,19 +48,6 @@ def bash_blocks(section: str) -> list[str]:
     """The ```bash blocks of the README section whose heading starts with `section`."""
     body = README.split(f"\n## {section}", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"```bash\n(.*?)```", body, re.DOTALL)
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct loopback ports nothing listens on now (held open together, so never the same one twice)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
 
 
 def stop_session(leader: int, timeout: float = 30) -> None:
@@ -355,7 +341,7 @@ def test_the_engines_help_example_works_as_written_and_text_is_refused_naming_to
     helptext = weightcache("engine", "--help").stdout
     example = next(line.strip() for line in helptext.splitlines() if line.strip().startswith("curl "))
     assert "no tokenizer" in example and "token ids" in helptext
-    port = free_port()
+    port, = free_ports(1)
     with AgentProcess(model, os.path.join(run_dir, "a.sock")) as served:
         engine = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "engine", "--model", model, "--socket",
                                    served.socket, "--port", str(port)], stdout=subprocess.DEVNULL,
