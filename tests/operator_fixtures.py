@@ -122,6 +122,7 @@ class AgentServer:
     def __init__(self, doc: dict[str, Any] | None = None) -> None:
         self.doc: dict[str, Any] | None = doc
         self.raw: bytes | None = None  # when set, served verbatim on /status (bad agents)
+        self.delay = 0.0  # seconds each /status answer takes (an agent under load)
         self.hits = 0
         outer = self
 
@@ -129,6 +130,7 @@ class AgentServer:
             def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
                 if self.path == "/status":
                     outer.hits += 1
+                    time.sleep(outer.delay)
                     body = outer.raw if outer.raw is not None else json.dumps(outer.doc).encode()
                     self._send(200, body, "application/json")
                 elif self.path == "/healthz":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -363,6 +364,26 @@ async def test_deletion_stops_polling_and_leaves_children_to_the_garbage_collect
         gets = len(requests_of(kmock, "GET", "daemonsets", name="llama-agent"))
         await asyncio.sleep(3 * POLL)
         assert len(requests_of(kmock, "GET", "daemonsets", name="llama-agent")) == gets
+
+
+async def test_deletion_while_a_poll_waits_on_a_slow_agent_goes_within_seconds(cluster: KubeClient,
+                                                                                 kmock: Any) -> None:
+    # The timer is in the middle of a poll when the deletion comes: kopf lets it finish, then
+    # must look again soon (its default is to look again after a minute).
+    with AgentServer(agent_status("node-a", "Ready")) as a:
+        a.delay = 0.6
+        async with operator(kmock):
+            await cluster.create(WC_RESOURCE, weightcache("llama", LLAMA_SPEC))
+            await wait_for(lambda: ds_of(kmock, "llama"))
+            await daemonset_controller(cluster, "llama", desired=1)
+            await cluster.create(POD_RESOURCE, agent_pod("llama", "node-a", a.port))
+            await wait_for(lambda: (wc_of(kmock, "llama")["status"].get("readyNodes") == 1), what="the node ready")
+            hits = a.hits
+            await wait_for(lambda: a.hits > hits, what="a poll waiting on the agent")
+            deleted = time.monotonic()
+            await cluster.delete(WC_RESOURCE, "default", "llama")
+            await wait_for(lambda: wc_of(kmock, "llama") is None, timeout=30, what="the WeightCache to be gone")
+            assert time.monotonic() - deleted < 5
 
 
 async def test_foreign_daemonset_with_our_name_is_not_taken_over(cluster: KubeClient, kmock: Any) -> None:

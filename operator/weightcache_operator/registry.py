@@ -52,6 +52,9 @@ def build_settings(settings: kopf.OperatorSettings | None = None) -> kopf.Operat
     # One replica (Deployment strategy Recreate): no peering objects, no RBAC for them.
     settings.peering.standalone = True
     settings.peering.mandatory = False
+    # A deletion that finds the poll timer mid-reconcile lets it finish, then looks again:
+    # after a second, not kopf's default minute (the object would linger that long).
+    settings.background.cancellation_polling = 1.0
     # Watches that silently stall behind load balancers are restarted.
     settings.watching.server_timeout = 600
     settings.watching.client_timeout = 660
