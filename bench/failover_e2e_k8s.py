@@ -52,7 +52,7 @@ for p in (REPO / "tests", REPO / "node_agent", REPO / "operator"):
 import yaml  # noqa: E402
 
 from fake_kubelet import FakeKubelet  # noqa: E402
-from k8s_lab import Lab, pods_path, wait_for  # noqa: E402
+from k8s_lab import Lab, free_ports, pods_path, wait_for  # noqa: E402
 
 
 def _sibling(name: str) -> Any:
@@ -263,7 +263,7 @@ class EndToEnd:
         from weightcache_operator.controller.weightcache import manifests
 
         old_port = manifests.AGENT_HTTP_PORT
-        manifests.AGENT_HTTP_PORT = _free_port()
+        manifests.AGENT_HTTP_PORT, = free_ports(1)
         self.stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
         (self.root / "logs").mkdir()
         self.kubelet = FakeKubelet(self.lab, [self.node], namespace=self.ns, host_root=self.root,
@@ -501,14 +501,6 @@ def switchover_by_annotation(e2e: EndToEnd, group: int, timeout: float = 30) -> 
     wait_for(lambda: {n for n in e2e.watch.current() if group_of(n) == group} == {standby},
              timeout=timeout, interval=0.01, what=f"the EndpointSlice listing {standby} alone")
     return primary, standby, time.perf_counter() - start
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def table(r: Results) -> str:

@@ -72,7 +72,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from k8s_lab import ApiClient, ApiError, Lab, pods_path
+from k8s_lab import ApiClient, ApiError, Lab, free_ports, pods_path
 
 log = logging.getLogger("fake_kubelet")
 
@@ -363,7 +363,7 @@ class FakeKubelet:
             if f"$({var})" not in text:
                 continue
             if p["containerPort"] not in run.host_ports:
-                run.host_ports[p["containerPort"]] = _free_port()
+                run.host_ports[p["containerPort"]], = free_ports(1)
             env[var] = str(run.host_ports[p["containerPort"]])
         return env
 
@@ -591,12 +591,6 @@ class FakeKubelet:
                         self.errors.append(f"status {run.key}: {e}")
                 except Exception as e:  # a dropped connection: next tick retries
                     self.errors.append(f"status {run.key}: {e}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _port(port: Any, container: dict[str, Any]) -> int:

@@ -46,7 +46,7 @@ from pathlib import Path
 import pytest
 
 from fake_kubelet import FakeKubelet
-from k8s_lab import REPO, Lab, pods_path, wait_for
+from k8s_lab import REPO, Lab, free_ports, pods_path, wait_for
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -175,7 +175,7 @@ def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
                        check=False)
 
         old_port = manifests.AGENT_HTTP_PORT
-        manifests.AGENT_HTTP_PORT = e2e_bench._free_port()  # every fake node shares this machine's loopback
+        manifests.AGENT_HTTP_PORT, = free_ports(1)  # every fake node shares this machine's loopback
         stack.callback(setattr, manifests, "AGENT_HTTP_PORT", old_port)
 
         def agent_argv(pod: dict, argv: list[str]) -> list[str]:
