@@ -290,8 +290,9 @@ def get_object(kmock: Any, resource: str, namespace: str, name: str) -> dict[str
     return copy.deepcopy(dict(obj.raw))
 
 
-async def wait_for(predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition") -> Any:
-    """Poll ``predicate`` without blocking the loop (the emulator serves from it)."""
+async def wait_for(predicate: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
+    """Poll ``predicate`` without blocking the loop (the emulator serves from it). The timeout is a
+    deadline for a stuck test, not a bar: a loaded CI machine takes several times as long."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None
     while time.monotonic() < deadline:

@@ -382,8 +382,8 @@ async def test_deletion_while_a_poll_waits_on_a_slow_agent_goes_within_seconds(c
             await wait_for(lambda: a.hits > hits, what="a poll waiting on the agent")
             deleted = time.monotonic()
             await cluster.delete(WC_RESOURCE, "default", "llama")
-            await wait_for(lambda: wc_of(kmock, "llama") is None, timeout=30, what="the WeightCache to be gone")
-            assert time.monotonic() - deleted < 5
+            await wait_for(lambda: wc_of(kmock, "llama") is None, what="the WeightCache to be gone")
+            assert time.monotonic() - deleted < 10
 
 
 async def test_foreign_daemonset_with_our_name_is_not_taken_over(cluster: KubeClient, kmock: Any) -> None:
