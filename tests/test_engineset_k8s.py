@@ -157,8 +157,8 @@ def test_engineset_on_a_real_api_server_with_the_charts_rbac(k8s_chart: Lab, ns:
 
             # Deleting the EngineSet: kopf lets it go, the garbage collector takes the children,
             # and then the held WeightCache goes too.
-            # On a control plane shared with many earlier tests, the operator's and the garbage
-            # collector's passes have each lagged beyond a minute.
+            # On a control plane shared with many earlier tests, the garbage collector's pass has
+            # lagged beyond a minute: these waits are deadlines, not bars.
             lab.api.delete(wc_path(ns, "enginesets", "chat"))
             wait_for(lambda: lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is None, timeout=180,
                      what="the EngineSet gone")
