@@ -8,12 +8,41 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from security_fixtures import ATTACKER, AsAttacker, agent_dir, needs_root
 from weightcache_agent.client import native_build
+
+
+PACKAGE = Path(native_build.__file__).resolve().parent.parent  # weightcache_agent
+
+
+@pytest.fixture(scope="module")
+def readable_package():
+    """A copy of the package that the second uid may read, the one its code imports in these tests.
+
+    The checkout may sit in a home no other uid may enter (a 0700 directory above it), and the
+    forked child cannot read what it has not imported yet: the sources `key()` hashes, the modules an
+    engine's import runs. An engine of another uid has an install it can read; this copy is that."""
+    base = Path(agent_dir())  # every uid may traverse it
+    shutil.copytree(PACKAGE, base / PACKAGE.name, ignore=shutil.ignore_patterns("__pycache__"))
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def import_from(base: str) -> ModuleType:
+    """In the second uid's child: import the package afresh from `base` (torch stays the one loaded);
+    its `native_build` module."""
+    for name in [m for m in sys.modules if m == PACKAGE.name or m.startswith(PACKAGE.name + ".")]:
+        del sys.modules[name]
+    sys.path.insert(0, base)
+    from weightcache_agent.client import native_build as fresh
+
+    assert Path(fresh.__file__).is_relative_to(base), fresh.__file__
+    return fresh
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -93,7 +122,8 @@ def record(so: Path) -> Path:
 
 
 @needs_root
-def test_a_build_planted_by_another_user_never_runs_and_check_says_why(native_build_dir, tmp_path, monkeypatch):
+def test_a_build_planted_by_another_user_never_runs_and_check_says_why(native_build_dir, tmp_path, monkeypatch,
+                                                                       readable_package):
     # A directory the attacker owns (a shared cache, a volume it may write): it plants a build
     # with a matching hash record, all files its own.
     shared = tmp_path / "shared"
@@ -122,8 +152,9 @@ def test_a_build_planted_by_another_user_never_runs_and_check_says_why(native_bu
         os.chown(path, ATTACKER, ATTACKER)
 
     def as_owner(_: dict) -> dict:
-        os.environ[native_build.ENV_DIR] = str(mine)
-        return {"found": str(native_build.find()), "loaded": native_build.load() is not None}
+        fresh = import_from(str(readable_package))
+        os.environ[fresh.ENV_DIR] = str(mine)
+        return {"found": str(fresh.find()), "loaded": fresh.load() is not None}
 
     owner = AsAttacker(as_owner)
     try:
@@ -167,24 +198,22 @@ def test_a_build_is_refused_in_a_directory_others_may_write_or_when_its_bytes_ch
 
 
 @needs_root
-def test_an_unreadable_home_does_not_break_the_import(tmp_path):
+def test_an_unreadable_home_does_not_break_the_import(tmp_path, readable_package):
     """An engine of another uid whose $HOME it may not enter (or that has none) still imports the
     client and binds without the native build."""
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
 
     def import_as_other(_: dict) -> dict:
-        import importlib
-
-        from weightcache_agent.client import rebind
-
         os.environ.pop(native_build.ENV_DIR, None)
         os.environ["HOME"] = str(home)
-        importlib.reload(rebind)  # what an engine's import does: looks for a build, here in $HOME too
-        found_with_home = native_build.find()
+        fresh = import_from(str(readable_package))
+        from weightcache_agent.client import rebind  # noqa: F401 -- what an engine's import does: looks for a
+        # build, here in $HOME too
+        found_with_home = fresh.find()
         del os.environ["HOME"]
-        return {"with_home": str(found_with_home), "without_home": str(native_build.find()),
-                "loaded": native_build.load() is not None}
+        return {"with_home": str(found_with_home), "without_home": str(fresh.find()),
+                "loaded": fresh.load() is not None, "beside": os.path.dirname(fresh.__file__)}
 
     other = AsAttacker(import_as_other)
     try:
@@ -193,7 +222,6 @@ def test_an_unreadable_home_does_not_break_the_import(tmp_path):
         other.close()
     # The unreadable $HOME changes nothing: the same build (or none) is found either way, and only a
     # build root made beside the package (an image's build step) may load.
-    beside = os.path.dirname(native_build.__file__)
     assert answer["with_home"] == answer["without_home"]
-    assert answer["without_home"] == "None" or os.path.dirname(answer["without_home"]) == beside
+    assert answer["without_home"] == "None" or os.path.dirname(answer["without_home"]) == answer["beside"]
     assert answer["loaded"] == (answer["without_home"] != "None")
