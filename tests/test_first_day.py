@@ -73,6 +73,7 @@ def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_
 
     def localize(text: str) -> str:
         text = text.replace("/models/llama-3-8b", model).replace("/run/weightcache/llama.sock", sock)
+        text = text.replace("tiny-llama.sock", sock).replace("tiny-llama", model)  # the quick start's names
         return re.sub(r"(?<!\d)800[01](?!\d)", lambda m: ports[m[0]], text)  # one pass: a port never re-replaced
 
     agent_line = next(line for line in bash_blocks("Quick start")[0].splitlines()
