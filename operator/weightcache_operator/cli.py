@@ -65,8 +65,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
     return config.replace(**{k: v for k, v in overrides.items() if v is not None})
 
 
-def main(argv: list[str]) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)  # None: sys.argv[1:] (the `weightcache-operator` command)
     try:
         config = config_from_args(args)
     except ValueError as e:

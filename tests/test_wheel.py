@@ -1,0 +1,81 @@
+"""The package as a user gets it: the sdist and wheel that `python -m build` makes, `twine check`,
+and the wheel installed (not editable) into a fresh venv, where `weightcache agent` serves a tiny
+checkpoint on the cpu backend to an engine that attaches (images/smoke.py)."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tarfile
+import zipfile
+
+import pytest
+import torch
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.timeout(900)
+
+
+def run(*argv: object, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=timeout, **kw)
+    assert done.returncode == 0, f"{argv[:4]} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory) -> dict[str, pathlib.Path]:
+    out = tmp_path_factory.mktemp("dist")
+    run(sys.executable, "-m", "build", "--outdir", out, ROOT)
+    (sdist,), (wheel,) = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
+    return {"sdist": sdist, "wheel": wheel}
+
+
+def test_twine_check_passes(dist):
+    run(sys.executable, "-m", "twine", "check", "--strict", dist["sdist"], dist["wheel"])
+
+
+def test_sdist_carries_what_a_build_needs(dist):
+    with tarfile.open(dist["sdist"]) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    needed = {"README.md", "pyproject.toml", "setup.py", "MANIFEST.in"}
+    for package in (ROOT / "node_agent", ROOT / "operator"):
+        tracked = run("git", "ls-files", package.name, cwd=ROOT).stdout.split()
+        needed |= {name for name in tracked if name.endswith((".py", ".c", ".cpp", ".h"))}
+    assert needed - names == set()
+    assert [n for n in names if n.endswith((".so", ".pyc")) or n.startswith("tests/")] == []
+
+
+def test_wheel_carries_the_row_binder_sources_and_both_commands(dist):
+    with zipfile.ZipFile(dist["wheel"]) as whl:
+        names = set(whl.namelist())
+        entry_points = whl.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    assert {"weightcache_agent/client/_bindtorch.cpp", "weightcache_agent/client/_bindtorch.h"} <= names
+    # import packages at the top, none named like a stdlib module (operator/)
+    assert {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")} \
+        == {"weightcache_agent", "weightcache_operator"}
+    for script in ("weightcache = weightcache_agent.cli:main", "weightcache-operator = weightcache_operator.cli:main",
+                   "weightcache = weightcache_agent.integrations.vllm:register"):
+        assert script in entry_points
+
+
+def test_wheel_in_a_fresh_venv_serves_an_engine(dist, tmp_path):
+    venv = tmp_path / "venv"
+    run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    # The torch this suite runs under, from where pip finds it (a local build such as +cpu from its
+    # index on download.pytorch.org); tried once, not retried, where that index cannot be reached.
+    local = re.search(r"\+(\w+)$", torch.__version__)
+    extra = ["--extra-index-url", f"https://download.pytorch.org/whl/{local.group(1)}"] if local else []
+    run(python, "-m", "pip", "install", "-q", "--retries", "0", "--no-deps", f"torch=={torch.__version__}", *extra)
+    run(python, "-m", "pip", "install", "-q", dist["wheel"])
+    assert "weightcache" in run(venv / "bin" / "weightcache", "--help").stdout
+    smoke = run(python, ROOT / "images" / "smoke.py", cwd=tmp_path, timeout=300)
+    report = json.loads(smoke.stdout.strip().splitlines()[-1])
+    assert report["package"].startswith(str(venv)), report  # the wheel's copy, not this checkout's
+    assert report["help_exit"] == {"weightcache": 0, "weightcache-operator": 0}, report
+    assert (report["status_phase"], report["source"], report["equal"]) == ("ready", "agent", True), report
+    if os.environ.get("CI"):  # CI's machine has a C compiler: the wheel's C extensions are built and used
+        assert report["bind"] == "c", report
