@@ -80,3 +80,76 @@ def test_no_page_says_the_reference_engine_generates_only_without_tensor_paralle
     assert "tensor parallelism" in reference[1] and "--tp-size N" in reference[1]
     # the check has teeth: the sentence engines.md used to carry is caught
     assert restrictive.search("HTTP `/generate`; generation for `tp_size=1`")
+
+
+# -- metrics.md: exactly the metrics the code defines ----------------------------------------------
+
+METRIC_SECTIONS = {"## Node agent": "/serve/", "## Reference engine": "/engine/", "## vLLM": "/integrations/vllm"}
+
+
+def documented_metrics() -> dict[str, tuple[str, str, tuple[str, ...]]]:
+    """metric -> (section, type, labels) from the tables of docs/metrics.md."""
+    out = {}
+    for heading in METRIC_SECTIONS:
+        for name, kind, labels, _ in table(DOCS / "metrics.md", heading):
+            assert name.strip("`") not in out, name
+            out[name.strip("`")] = (heading, kind, tuple(sorted(re.findall(r"`(\w+)`", labels))))
+    return out
+
+
+def test_metrics_page_lists_exactly_the_metrics_the_code_defines():
+    from metrics_catalog import defined_metrics
+
+    defined = defined_metrics()
+    documented = documented_metrics()
+    assert set(documented) == set(defined)
+    for name, metric in defined.items():
+        heading, kind, labels = documented[name]
+        assert METRIC_SECTIONS[heading] in metric.source, (name, heading, metric.source)
+        assert (kind, labels) == (metric.kind, tuple(sorted(metric.labels))), name
+    # the operator exports none, as the page says
+    assert not [m for m in defined.values() if m.source.startswith("operator/")]
+    assert "| operator | no `/metrics`" in (DOCS / "metrics.md").read_text()
+
+
+def scraped(text: str) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Prometheus text -> name a query uses -> (type, labels), as a scrape parses it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name + "_total" if family.type == "counter" else family.name
+        labels = {label for sample in family.samples for label in sample.labels if label != "le"}
+        out[name] = (family.type, tuple(sorted(labels)))
+    return out
+
+
+def test_what_the_agent_and_the_engine_serve_on_metrics_is_what_the_page_says():
+    """The agent's registry and the reference engine's text, produced by their own code and parsed
+    as Prometheus parses a scrape, against the page's tables."""
+    from types import SimpleNamespace
+
+    from prometheus_client import generate_latest
+
+    from weightcache_agent.engine.server import Engine
+    from weightcache_agent.serve.agent_http import AgentMetrics
+
+    metrics = AgentMetrics()
+    rank = {"rank": 0, "device": "GPU-0", "bytes": 1 << 30, "clients": 2, "loadSeconds": 3.5, "phase": "Ready",
+            "restarts": 1, "misses": 0, "integrity": "verified", "integrityFailures": 0}
+    metrics.watch(lambda: {"ranks": [rank]}, [(0, "GPU-0")])
+    metrics.observe_attach(0, "GPU-0", 0.003)
+    served = scraped(generate_latest(metrics.registry).decode())
+    served.pop("weightcache_attach_seconds_created", None)  # prometheus_client's timestamp of the histogram
+    served.update(scraped(Engine.metrics_text(SimpleNamespace(attachment=None, requests=3))))
+    documented = {name: (kind, labels) for name, (heading, kind, labels) in documented_metrics().items()
+                  if heading != "## vLLM"}  # vLLM's registry lives in vLLM's processes (tests/test_vllm.py)
+    assert served == documented
+
+
+def test_metrics_page_queries_parse_and_name_defined_metrics():
+    from test_chart_monitoring import undefined
+
+    (block,) = re.findall(r"```promql\n(.*?)```", (DOCS / "metrics.md").read_text(), re.DOTALL)
+    queries = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(queries) >= 4 and undefined(queries) == {}
