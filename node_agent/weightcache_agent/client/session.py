@@ -398,7 +398,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             reply, fds = _manifest_reply(conn)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}),
-                                      model=model_name(spec.model))
+                                      model=model_name(spec.model), held=reply)
         protocol.raise_on_error(reply, conn.getpeername())
         arenas = reply.get("arenas")
         if reply["type"] != "manifest" or not isinstance(arenas, list) or len(fds) != len(arenas) or not all(

@@ -4,9 +4,11 @@ The fill pipelines (`pipeline`, `cuda_fill`) advance one `LoadProgress` from the
 threads; the agent's status reads its counters racily (plain ints). Where a person
 watches a terminal, a tqdm bar draws them; where nobody does (`kubectl logs`, a log
 file, a supervisor's worker) a ticker thread logs one line every few seconds instead, so
-a load of minutes is never silent between "listening" and "loaded". Kept apart from the
-plan types (which need torch), and importing nothing heavy, so that an agent serving a
-re-adopted arena reports its progress without importing torch.
+a load of minutes is never silent between "listening" and "loaded". While the bar is drawn,
+log lines to the terminal go through tqdm (`logging_redirect_tqdm`): the bar is cleared, the
+line written from column 0, the bar drawn again below it, so neither overwrites the other.
+Kept apart from the plan types (which need torch), and importing nothing heavy, so that an
+agent serving a re-adopted arena reports its progress without importing torch.
 
 Two sizes are kept apart and always named: what is *read* (the source tensors' bytes
 this rank takes from disk, which the bar and the rate count) and what ends *resident*
@@ -90,6 +92,7 @@ class LoadProgress:
     quantization: str = "none"
     started: float = field(default_factory=time.monotonic)
     _bar: Any = None
+    _redirect: Any = None  # while the bar is drawn: log lines to the terminal go above it
     _stop: threading.Event | None = None
 
     def start(self, bytes_total: int, tensors_total: int, show_bar: bool, *, bytes_resident: int = 0,
@@ -101,7 +104,10 @@ class LoadProgress:
         self.started = time.monotonic()
         if show_bar:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
+            self._redirect = logging_redirect_tqdm()
+            self._redirect.__enter__()
             self._bar = tqdm(total=bytes_total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading",
                              file=sys.stderr)
             self._bar.set_postfix_str(f"0/{tensors_total} source tensors", refresh=False)
@@ -125,6 +131,9 @@ class LoadProgress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._redirect is not None:
+            self._redirect.__exit__(None, None, None)
+            self._redirect = None
 
     def _tick(self, stop: threading.Event, every: float, what: str) -> None:
         while not stop.wait(every):

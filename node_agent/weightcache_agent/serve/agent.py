@@ -1017,7 +1017,8 @@ class Agent:
             log.warning("refused attach from pid=%s: fingerprint differs in %s", peer,
                         ", ".join(f"{k} (cache={c} engine={e})" for k, (c, e) in diff.items()))
             protocol.send_message(conn, protocol.error_message(
-                "fingerprint_mismatch", "fingerprint differs", fields=cache.fields, engine_fields=fields))
+                "fingerprint_mismatch", "fingerprint differs", fields=cache.fields, engine_fields=fields,
+                model=os.path.abspath(self.spec.model)))  # as status says it: named, never part of the fingerprint
             return None
         token = secrets.token_hex(32)
         lease = self._register(conn, peer, uid, role, group, _hash_token(token), *identity,

@@ -52,7 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
              "WEIGHTCACHE_MEMORY_LIMIT": "most host memory a cpu arena may take, e.g. 64Gi (default: what the host "
                                          "and its cgroup have available)",
              "WEIGHTCACHE_PROGRESS_INTERVAL": "seconds between progress log lines without a terminal (default 5; 0: "
-                                              "none)"},
+                                              "none)",
+             "WEIGHTCACHE_KUBE_API": "API server URL, https://HOST[:PORT], for the serving-label write and the "
+                                     "TokenReviews of engines' pod tokens (default: in a pod, "
+                                     "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT); with it set, "
+                                     "--label-pods auto and --pod-identity auto are on outside a pod too",
+             "WEIGHTCACHE_KUBE_TOKEN": "file with the agent's bearer token for that API server, read again when it "
+                                       "changes (default: the pod's service-account token, "
+                                       "/var/run/secrets/kubernetes.io/serviceaccount/token)",
+             "WEIGHTCACHE_KUBE_CA": "CA bundle (PEM file) that the API server's certificate is checked against "
+                                    "(default: the pod's /var/run/secrets/kubernetes.io/serviceaccount/ca.crt)"},
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     where = p.add_mutually_exclusive_group(required=True)
