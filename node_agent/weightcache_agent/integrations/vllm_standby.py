@@ -7,7 +7,7 @@ weightcache`:
   2. `install` (run by the loader, in the worker's process) wraps the worker's `compile_or_warm_up_model`:
      once the worker is warm (KV cache allocated, graphs captured) and its lease is a standby,
      the KV cache's memory is released, its addresses kept:
-       - CUDA, with `--enable-sleep-mode`: vLLM's allocator discards the `kv_cache` pool's
+       - CUDA, with `--enable-sleep-mode`: vLLM's allocator unmaps the `kv_cache` pool's
          physical memory (what sleep mode level 1 does to the KV cache; weights are the arena's
          and stay mapped, captured graphs stay valid);
        - CPU (no sleep mode there): `madvise(MADV_DONTNEED)` over the KV buffer gives its pages
@@ -72,7 +72,7 @@ class _Standby:
                 log.warning("weightcache: this standby keeps its whole KV cache (%s) on the GPU while it stands by: "
                             "start vLLM with --enable-sleep-mode so that it releases it until promoted", _size(total))
                 return
-            worker.discard(("kv_cache",))
+            _discard_kv_cache(worker)
         else:
             libc = _libc()
             for start, n in spans:
@@ -171,6 +171,20 @@ def resident_bytes(spans: list[tuple[int, int]]) -> int:
         if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), vec) == 0:
             total += sum(b & 1 for b in vec) * PAGE
     return total
+
+
+def _discard_kv_cache(worker: Any) -> None:
+    """Unmap the physical memory of the sleep-mode allocator's `kv_cache` pool, keeping its
+    addresses; `worker.wake_up(["kv_cache"])` maps it again."""
+    if hasattr(worker, "discard"):
+        worker.discard(("kv_cache",))
+        return
+    # vLLM before the worker's `discard` (0.24): the same, through the allocator's own records
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    for data in CuMemAllocator.get_instance().pointer_to_data.values():
+        if data.tag == "kv_cache":
+            unmap_and_release(data.handle)
 
 
 def _on_cuda(worker: Any) -> bool:
