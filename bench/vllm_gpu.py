@@ -40,6 +40,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,6 +64,7 @@ ATTACHED = re.compile(r"attached from \S+ in [\d.]+s: (.+?) in arena views, (.+?
 RELEASED = re.compile(r"standby: released its KV cache \(([^,]+),")
 WOKE = re.compile(r"promoted to primary: KV cache back \(([^)]+)\) in ([\d.]+) ms")
 GIB = 1 << 30
+ENGINES: list["Engine"] = []  # every engine started, stopped at the end whatever happened
 
 
 def log(msg: str) -> None:
@@ -177,6 +179,7 @@ class Engine:
         self.started = time.perf_counter()
         self.proc = subprocess.Popen(args, stdout=self.logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.lease_pid: int | None = None
+        ENGINES.append(self)
 
     def text(self) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -365,31 +368,7 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: int) -> tuple[list[str], dict]:
-    counter = OpenCounter(model)
-    runs: dict[str, list[dict]] = {"auto": [], "weightcache": []}
-    warm: dict = {}
-    order = ["weightcache", "auto"]
-    for t in range(trials + 1):  # trial 0: the first engine ever (vLLM's compile cache is cold), not in the medians
-        for fmt in order if t % 2 == 0 else order[::-1]:
-            counter.take()
-            engine = Engine(f"start-{fmt}-{t}", model, work, fmt, sock, kv)
-            seconds = engine.first_token()
-            ok, text = engine.complete(max_tokens=16)
-            opens = sum(n for name, n in counter.take().items() if name.endswith(".safetensors"))
-            log_text = engine.text()
-            attached = ATTACHED.search(log_text)
-            engine.stop()
-            run = {"seconds": seconds, "load_phase": engine.load_phase(), "opens": opens, "text": text if ok else None,
-                   "views": attached[1] if attached else None, "copied": attached[2] if attached else None}
-            log(f"{fmt} trial {t}: first token {seconds:.2f}s, load phase {run['load_phase']}, opens {opens}, "
-                f"views {run['views']}, copied {run['copied']}, text {text!r}")
-            if not ok:
-                raise SystemExit(f"{engine.name}: completion failed: {text}")
-            if t == 0:
-                warm[fmt] = run
-            else:
-                runs[fmt].append(run)
+def startup_table(runs: dict[str, list[dict]], warm: dict[str, dict], size: int, trials: int) -> tuple[list[str], bool]:
     same = all(r["text"] == runs["auto"][0]["text"] for rs in runs.values() for r in rs) and \
         warm["auto"]["text"] == warm["weightcache"]["text"]
     med = {f: median([r["seconds"] for r in rs]) for f, rs in runs.items()}
@@ -418,10 +397,39 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
         bars_line({"same tokens": same, "0 B copied": copied == {"0 B"}, "load phase >= 10x faster":
                    phase["auto"] >= 10 * phase["weightcache"], "engine opens no checkpoint file": opens["weightcache"] == 0}),
     ]
+    return lines, same
+
+
+def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: int) -> tuple[list[str], dict]:
+    counter = OpenCounter(model)
+    runs: dict[str, list[dict]] = {"auto": [], "weightcache": []}
+    warm: dict = {}
+    order = ["weightcache", "auto"]
+    for t in range(trials + 1):  # trial 0: the first engine ever (vLLM's compile cache is cold), not in the medians
+        for fmt in order if t % 2 == 0 else order[::-1]:
+            counter.take()
+            engine = Engine(f"start-{fmt}-{t}", model, work, fmt, sock, kv)
+            seconds = engine.first_token()
+            ok, text = engine.complete(max_tokens=16)
+            opens = sum(n for name, n in counter.take().items() if name.endswith(".safetensors"))
+            log_text = engine.text()
+            attached = ATTACHED.search(log_text)
+            engine.stop()
+            run = {"seconds": seconds, "load_phase": engine.load_phase(), "opens": opens, "text": text if ok else None,
+                   "views": attached[1] if attached else None, "copied": attached[2] if attached else None}
+            log(f"{fmt} trial {t}: first token {seconds:.2f}s, load phase {run['load_phase']}, opens {opens}, "
+                f"views {run['views']}, copied {run['copied']}, text {text!r}")
+            if not ok:
+                raise SystemExit(f"{engine.name}: completion failed: {text}")
+            if t == 0:
+                warm[fmt] = run
+            else:
+                runs[fmt].append(run)
+    lines, same = startup_table(runs, warm, size, trials)
     return lines, {"runs": runs, "compile_cold": warm, "same": same}
 
 
-def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], dict, list[Engine]]:
+def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], dict]:
     base = settled_gpu_used()
     primary = Engine("mem-primary", model, work, "weightcache", sock, kv, role="primary")
     primary.first_token()
@@ -430,6 +438,8 @@ def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], 
     standby.warm_standby()
     with_standby = settled_gpu_used()
     released = RELEASED.search(standby.text())
+    standby.stop()  # before the primary: no promotion to wait for
+    primary.stop()
     own_p, own_s = with_primary - base, with_standby - with_primary
     ratio = own_s / own_p if own_p else float("nan")
     lines = [
@@ -444,8 +454,7 @@ def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], 
         f"Standby / primary: {ratio * 100:.1f}% (agent and arena before both: {base / GIB:.2f} GiB used).",
         bars_line({"standby <= 10% of the primary": ratio <= 0.10}) if CUDA else "(no GPU: not measured)",
     ]
-    return lines, {"base": base, "with_primary": with_primary, "with_standby": with_standby, "ratio": ratio}, \
-        [primary, standby]
+    return lines, {"base": base, "with_primary": with_primary, "with_standby": with_standby, "ratio": ratio}
 
 
 def failover_phase(model: str, work: str, sock: str, kv: int, trials: int, batch: int) -> tuple[list[str], dict]:
@@ -596,25 +605,36 @@ def main() -> int:
             f"{h}, bf16, {size / GIB:.2f} GiB; agent's cold load {status.get('load_seconds', 0):.2f} s", ""]
     sections: list[str] = []
     data: dict = {"size": size, "agent": {k: status.get(k) for k in ("load_seconds", "wall_seconds", "arena_bytes")}}
+    phases = {
+        "startup": ("Tokens and start-up, default loader vs weightcache",
+                    lambda: startup_phase(model, work, sock, size, args.startup_trials, int(args.kv_gib * GIB))),
+        "memory": ("A primary and a sleeping standby on one GPU",
+                   lambda: memory_phase(model, work, sock, int(args.memory_kv_gib * GIB))),
+        "failover": ("Failover and a planned switchover under OpenAI traffic",
+                     lambda: failover_phase(model, work, sock, int(args.kv_gib * GIB), args.failovers, args.batch)),
+    }
+    failed = 0
     try:
-        if "startup" not in skip:
-            lines, data["startup"] = startup_phase(model, work, sock, size, args.startup_trials, int(args.kv_gib * GIB))
-            sections += ["### Tokens and start-up, default loader vs weightcache", "", *lines, ""]
+        for name, (title, run) in phases.items():
+            if name in skip:
+                continue
+            try:
+                lines, data[name] = run()
+            except (Exception, SystemExit) as e:  # noqa: BLE001 -- the next phase still runs; the report says why
+                failed += 1
+                lines = [f"FAILED: {type(e).__name__}: {str(e)[-3000:]}"]
+                traceback.print_exc()
+                for engine in ENGINES:
+                    if engine.alive():
+                        engine.stop()
+            sections += [f"### {title}", "", *lines, ""]
             report(args.out, "vllm_gpu", head + sections, data)
-        if "memory" not in skip:
-            lines, data["memory"], pair = memory_phase(model, work, sock, int(args.memory_kv_gib * GIB))
-            for e in reversed(pair):  # the standby first: no promotion to wait for
-                e.stop()
-            sections += ["### A primary and a sleeping standby on one GPU", "", *lines, ""]
-            report(args.out, "vllm_gpu", head + sections, data)
-        if "failover" not in skip:
-            lines, data["failover"] = failover_phase(model, work, sock, int(args.kv_gib * GIB), args.failovers,
-                                                     args.batch)
-            sections += ["### Failover and a planned switchover under OpenAI traffic", "", *lines, ""]
     finally:
         agent.stop()
-        report(args.out, "vllm_gpu", head + sections, data)
-    return 0
+        for e in ENGINES:
+            if e.alive():
+                e.stop()
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

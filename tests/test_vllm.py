@@ -17,17 +17,16 @@ from __future__ import annotations
 import json
 import os
 import re
-import shlex
+import signal
 import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from agent_fixtures import AgentProcess
+from weightcache_agent.load.progress import size_text
 from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint, write_word_tokenizer
 
 VLLM_PYTHON = os.environ.get("WEIGHTCACHE_VLLM_PYTHON")
@@ -85,16 +84,18 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def agents(models, tmp_path_factory):
-    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32, and Qwen2 fp32 at TP=2 (one per rank)."""
+    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32, and Qwen2 fp32 at TP=2 (one per rank); and Llama
+    bf16 in the checkpoint's own layout (started without --layout vllm)."""
     sockets = tmp_path_factory.mktemp("vllm-sockets")
+    vllm_layout = ["--layout", "vllm"]
     specs = {
-        "llama": (models["llama"], []),
-        "qwen2-fp32": (models["qwen2"], ["--dtype", "float32"]),
-        **{f"qwen2-fp32-r{r}": (models["qwen2"], ["--dtype", "float32", "--tp-size", "2", "--tp-rank", str(r)])
-           for r in (0, 1)},
+        "llama": (models["llama"], vllm_layout),
+        "llama-file-layout": (models["llama"], []),
+        "qwen2-fp32": (models["qwen2"], ["--dtype", "float32", *vllm_layout]),
+        **{f"qwen2-fp32-r{r}": (models["qwen2"], ["--dtype", "float32", "--tp-size", "2", "--tp-rank", str(r),
+                                                  *vllm_layout]) for r in (0, 1)},
     }
-    procs = {name: AgentProcess(model, str(sockets / f"{name}.sock"), "--layout", "vllm", *extra)
-             for name, (model, extra) in specs.items()}
+    procs = {name: AgentProcess(model, str(sockets / f"{name}.sock"), *extra) for name, (model, extra) in specs.items()}
     try:
         for proc in procs.values():
             proc.wait_ready()
@@ -114,6 +115,9 @@ def in_process(models, agents, tmp_path_factory):
         "qwen2 fp32 default": dict(model=models["qwen2"], dtype="float32"),
         "qwen2 fp32 cache": dict(model=models["qwen2"], dtype="float32", load_format="weightcache",
                                  extra={"socket": agents["qwen2-fp32"]}),
+        # an agent started without --layout vllm: views, the fused parameters copied
+        "llama file layout": dict(model=models["llama"], load_format="weightcache",
+                                  extra={"socket": agents["llama-file-layout"], "fallback": False}),
         # an agent holding another model: a fingerprint mismatch, served from disk with fallback (the default)
         "llama mismatch": dict(model=models["llama"], load_format="weightcache",
                                extra={"socket": agents["qwen2-fp32"]}),
@@ -134,9 +138,27 @@ def test_the_cache_serves_the_same_greedy_tokens_as_vllms_loader(in_process, mod
 def test_every_parameter_byte_is_an_arena_view_after_post_load_processing(in_process):
     _, log, _ = in_process
     lines = attached_lines(log)
+    lines = [line for line in lines if line[4] == "0 B"]  # less the file-layout agent's (its own test)
     assert [(name, rank, size) for name, rank, size, _, _ in lines] == [("llama", 0, 1), ("qwen2", 0, 1)]
     for _, _, _, views, copies in lines:
         assert copies == "0 B" and not views.startswith("0 "), lines
+
+
+def test_an_agent_without_vllms_layout_serves_views_and_copies_only_the_fused_parameters(in_process, models):
+    results, log, _ = in_process
+    assert results["llama file layout"]["tokens"] == results["llama default"]["tokens"]
+    warnings = [line for line in log.splitlines() if "holds the checkpoint's layout" in line]
+    assert len(warnings) == 1 and "WARNING" in warnings[0] and "--layout vllm" in warnings[0], warnings
+    assert "qkv_proj" in warnings[0] and "gate_up_proj" in warnings[0]
+    # one attach per run from an agent: the file-layout one copies, the vLLM-layout ones do not
+    copies = [copied for _, _, _, _, copied in attached_lines(log)]
+    assert copies.count("0 B") == 2 and len(copies) == 3, copies
+    # the fused parameters only: q|k|v and gate|up of 2 layers of the test Llama; the rest are views
+    shape = LlamaShape()
+    kv = shape.num_key_value_heads * shape.hidden_size // shape.num_attention_heads
+    fused = shape.num_hidden_layers * shape.hidden_size * (shape.hidden_size + 2 * kv + 2 * shape.intermediate_size) * 2
+    assert f"{size_text(fused)} of fused parameters copied" in warnings[0], (fused, warnings)
+    assert not any("cache miss" in line and models["llama"] in line and "file" in line for line in log.splitlines())
 
 
 def test_a_mismatching_agent_falls_back_to_disk_with_one_warning(in_process):
@@ -164,57 +186,54 @@ def test_tensor_parallel_workers_attach_their_own_ranks_and_match_tp1(models, ag
                                                                                                  (1, 2, "0 B")]
 
 
-def readme_vllm_commands(model: str, socket_path: str) -> list[list[str]]:
-    """The README's 'Serving with vLLM' commands as written, with its model and socket paths swapped
-    for the test's (and `python`, `weightcache` for the environments' own)."""
+def readme_vllm_script(socket_path: str) -> str:
+    """The README's 'Serving with vLLM' commands as written, in vLLM's CPU build's form (as the README
+    says: `VLLM_CPU_KVCACHE_SPACE=1` before `python` instead of `--gpu-memory-utilization 0.5`), the
+    socket path swapped for the test's."""
     section = (ROOT / "README.md").read_text().split("## Serving with vLLM", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0].replace("\\\n", " ")
-    commands = []
-    for line in block.strip().splitlines():
-        line = line.replace("/models/qwen", model).replace("/run/weightcache/qwen.sock", socket_path)
-        argv = shlex.split(line.rstrip(" &"))
-        argv[0] = {"python": VLLM_PYTHON, "weightcache": os.path.join(os.path.dirname(sys.executable), "weightcache")}[argv[0]]
-        commands.append(argv)
-    return commands
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    assert block.count(" --gpu-memory-utilization 0.5") == 1 and block.count("\npython -m vllm") == 1, block
+    block = block.replace(" --gpu-memory-utilization 0.5", "").replace("\npython -m vllm",
+                                                                       "\nVLLM_CPU_KVCACHE_SPACE=1 python -m vllm")
+    return block.replace("/run/weightcache/llama.sock", socket_path)
 
 
-def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(models, in_process, tmp_path):
-    agent_cmd, vllm_cmd = readme_vllm_commands(models["llama"], str(tmp_path / "qwen.sock"))
+def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(tmp_path):
+    script = readme_vllm_script(str(tmp_path / "llama.sock"))
     with socket.socket() as s:  # the README's server listens on vLLM's default port
         assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's vLLM server needs it"
-    log_path = tmp_path / "server.log"
-    agent = subprocess.Popen(agent_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    # one engine, vLLM's own thread binding; a 1 GiB KV cache, where the README's 0.5 would be half
-    # of this machine's memory on vLLM's CPU build
-    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1")
-    env.pop("VLLM_CPU_OMP_THREADS_BIND")
+    log_path = tmp_path / "out.log"
+    # `python` and `weightcache` are the vLLM environment's; the demo's checkpoint goes under the test's cache
+    env = vllm_env(PATH=f"{os.path.dirname(VLLM_PYTHON)}:{os.environ['PATH']}", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    env.pop("VLLM_CPU_OMP_THREADS_BIND")  # one engine: vLLM's own thread binding
     with open(log_path, "w") as log_file:
-        server = subprocess.Popen(vllm_cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, cwd=tmp_path)
+        shell = subprocess.Popen(["bash", "-c", script], stdout=log_file, stderr=subprocess.STDOUT, env=env,
+                                 cwd=tmp_path, start_new_session=True)
     try:
-        base = "http://127.0.0.1:8000"
-        deadline = time.monotonic() + 900
-        while True:
-            assert server.poll() is None, f"vLLM's server exited: {_causes(log_path.read_text())}"
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"vLLM's server not up: {_causes(log_path.read_text())}"
-            time.sleep(1)
-        body = json.dumps({"model": models["llama"], "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})
-        request = urllib.request.Request(base + "/v1/completions", body.encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            answer = json.load(r)
-        assert answer["choices"][0]["text"] == in_process[0]["llama default"]["text"][0]
-        lines = attached_lines(log_path.read_text())
-        assert [(rank, size, copies) for _, rank, size, _, copies in lines] == [(0, 1, "0 B")], lines
+        assert shell.wait(900) == 0, f"the README's commands failed: {_causes(log_path.read_text())}"
+        out = log_path.read_text()
+        at = out.find('{"id":')
+        assert at >= 0, f"no completion in the output: {_causes(out)}"
+        answer, _ = json.JSONDecoder().raw_decode(out[at:])
+        words = answer["choices"][0]["text"].split()
+        assert len(words) == 8 and all(re.fullmatch(r"w\d+", w) for w in words), answer
+        lines = attached_lines(out)
+        assert [(name, rank, size, copies) for name, rank, size, _, copies in lines] == [("llama-small", 0, 1, "0 B")]
     finally:
-        for proc in (server, agent):
-            proc.terminate()
+        stop_session(shell.pid)  # the agent and vLLM's server, started in the background
+
+
+def stop_session(sid: int, grace: float = 30.0) -> None:
+    """SIGTERM to every process of the session, SIGKILL to what is left after `grace` seconds."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 0)):
+        try:
+            os.killpg(sid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
             try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                os.killpg(sid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)

@@ -29,7 +29,7 @@ from ..usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, parser a
 log = logging.getLogger("weightcache.demo")
 
 GROUP = "demo"
-PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]  # ids only: the demo model has no tokenizer
+PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]  # the reference engine takes token ids
 NEW_TOKENS = 12
 # Seconds of quiet after which a waiting step says it is still at it (the agent's
 # WEIGHTCACHE_PROGRESS_INTERVAL, when set, paces these lines too).
@@ -137,12 +137,12 @@ def default_cache_dir() -> str:
 
 def ensure_checkpoint(cache_dir: str, size: str, console: Console) -> tuple[str, bool]:
     """The demo checkpoint for `size`, written once (atomically) and reused. Returns (dir, created)."""
-    from ..testing.synthetic import LlamaShape, write_llama_checkpoint  # imports torch
+    from ..testing.synthetic import LlamaShape, write_llama_checkpoint, write_word_tokenizer  # imports torch
 
     shape = LlamaShape(**SIZES[size].shape, max_position_embeddings=2048)
     target = os.path.join(cache_dir, f"llama-{size}")
     marker = os.path.join(target, ".weightcache-demo.json")
-    identity = {"shape": shape.config(_bf16()), "seed": 0, "version": 1}
+    identity = {"shape": shape.config(_bf16()), "seed": 0, "version": 2}  # 2: with a tokenizer
     try:
         with open(marker) as f:
             if json.load(f) == identity:
@@ -155,6 +155,7 @@ def ensure_checkpoint(cache_dir: str, size: str, console: Console) -> tuple[str,
         console.detail(f"creating the demo checkpoint once (deterministic random weights) in {target}")
         with console.waiting("writing the checkpoint") as started:
             write_llama_checkpoint(staging, shape, seed=0, shards=2)
+            write_word_tokenizer(staging, shape.vocab_size)  # so that vLLM's OpenAI server serves it too
             with open(os.path.join(staging, ".weightcache-demo.json"), "w") as f:
                 json.dump(identity, f)
             if os.path.exists(target):  # a stale or different version: replace it
@@ -410,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = usage_parser("weightcache demo",
                      "Load a model once, attach two engines in milliseconds, kill the primary, watch the standby take "
                      "over. No GPU or cluster needed.",
-                     examples=["weightcache demo", "weightcache demo --size small --backend cpu --json"],
+                     examples=["weightcache demo", "weightcache demo --size small --backend cpu --json",
+                               "MODEL=$(weightcache demo --size small --checkpoint-only)   # a model for vLLM"],
                      env={"XDG_CACHE_HOME": "where the default --dir lives ($XDG_CACHE_HOME/weightcache/demo)"},
                      codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED))
     p.add_argument("--size", choices=tuple(SIZES), default="medium",
@@ -422,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the agent keeps the weights (auto: cuda when a GPU is visible)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for any one step")
     p.add_argument("--json", action="store_true", help="print only a JSON summary on stdout")
+    p.add_argument("--checkpoint-only", action="store_true",
+                   help="write the demo checkpoint (safetensors, config.json, a word-level tokenizer) if it is not "
+                        "there yet, print its directory and stop: a model that vLLM serves too")
     return p
 
 
@@ -445,6 +450,10 @@ def main(argv: list[str]) -> int:
         problem = path and writable_dir_problem(flag, path)
         if problem:
             return refuse("weightcache demo", problem, EXIT_USAGE)
+    if args.checkpoint_only:
+        directory, _ = ensure_checkpoint(args.dir or default_cache_dir(), args.size, Console(quiet=True))
+        print(directory)
+        return EXIT_OK
     console = Console(quiet=args.json)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     created_run_dir = args.run_dir is None

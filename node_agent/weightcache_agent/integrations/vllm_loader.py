@@ -17,7 +17,9 @@
      line and exports them as Prometheus gauges;
   5. hands the lease to `vllm_standby`: a standby gives its KV cache's memory back once warm,
      and takes it again when the agent promotes it.
-A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
+An agent started without `--layout vllm` (the checkpoint's own layout) still serves: every
+tensor but the fused parameters' parts is a view, those are copied, with one WARNING naming
+`--layout vllm`. A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
 vLLM's default loader with one WARNING naming the reason, or, with `"fallback": false`,
 fails with that reason in one ERROR line.
 
@@ -54,7 +56,7 @@ from ..client.materialize import Materialize, Pending
 from ..client.session import Attachment, attach
 from ..client.warmup import prepare
 from ..client.env import socket_from_env
-from ..errors import AttachError, WeightCacheError
+from ..errors import AttachError, FingerprintMismatch, WeightCacheError
 from ..load.layout import LAYOUTS
 from ..load.progress import size_text as _size
 from ..protocol import agent_status
@@ -135,8 +137,14 @@ class WeightcacheModelLoader(BaseModelLoader):
             model, device = self._build(vllm_config, model_config, prefix)
             preparing.join()
             copier = _FusedCopies(model)
-            self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
-                                     materialize=copier.materialize, on_promote=vllm_standby.promoted)
+            try:
+                self.attachment = self._attach(model, spec, socket, copier)
+            except FingerprintMismatch as e:
+                if set(e.differences) != {"layout"}:
+                    raise
+                # an agent holding the checkpoint's own layout: every tensor but the fused ones is a view still
+                spec = dataclasses.replace(spec, layout=str(e.differences["layout"][0]))
+                self.attachment = self._attach(model, spec, socket, copier)
         except MISSES as e:
             reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
             for name in set(layers) - known:
@@ -152,8 +160,16 @@ class WeightcacheModelLoader(BaseModelLoader):
         log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s)",
                  os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket,
                  seconds, _size(views), _size(copies), ", ".join(copier.copied) or "no copies")
+        if spec.layout != "vllm":
+            log.warning("weightcache: the agent at %s holds the checkpoint's layout (%s), not vLLM's: %s of fused "
+                        "parameters copied (%s); start it with --layout vllm so that they are shared views too",
+                        socket, spec.layout, _size(copies), ", ".join(copier.copied))
         _metrics().record(source="agent", reason="", views=views, copies=copies)
         return model.eval()
+
+    def _attach(self, model: nn.Module, spec: CacheSpec, socket: str, copier: _FusedCopies) -> Attachment:
+        return attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
+                      materialize=copier.materialize, on_promote=vllm_standby.promoted)
 
     # -- steps ---------------------------------------------------------------------------------
 

@@ -113,16 +113,16 @@ def write_llama_checkpoint(directory: str, shape: LlamaShape | None = None, dtyp
 
 def write_word_tokenizer(directory: str, vocab_size: int) -> None:
     """A word-level tokenizer for a synthetic checkpoint: tokens `w3` ... `w<vocab_size - 1>` split on
-    whitespace, plus `<unk>`, `<s>`, `</s>`. Made offline (the `tokenizers` package, which
-    transformers and vLLM bring), so an engine that needs a tokenizer (vLLM's OpenAI server)
-    serves the checkpoint without a download."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
+    whitespace, plus `<unk>`, `<s>`, `</s>`, so that an engine that needs a tokenizer (vLLM's OpenAI
+    server) serves the checkpoint without a download. Written as the `tokenizers` library's own JSON
+    (its WordLevel model; the WordPiece decoder joins tokens with spaces), which needs no library here."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins tokens with spaces
-    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    tokenizer = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+                 "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None,
+                 "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": True},
+                 "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    with open(os.path.join(directory, "tokenizer.json"), "w") as f:
+        json.dump(tokenizer, f)
     with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
                    "unk_token": "<unk>", "model_max_length": 4096}, f, indent=1)
