@@ -128,6 +128,8 @@ def make_checkpoint(directory: str, shape: LlamaShape) -> int:
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(shape.config(torch.bfloat16), f)
     write_word_tokenizer(directory, v)
+    if CUDA:
+        torch.cuda.empty_cache()  # what this process keeps on the GPU stays constant from here on
     os.sync()
     return sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors"))
 
