@@ -446,7 +446,7 @@ def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], 
     ratio = own_s / own_p if own_p else float("nan")
     lines = [
         f"GPU memory each engine adds beyond the agent's arena (the device's used memory before and after it starts, "
-        f"nvidia-smi), --kv-cache-memory-bytes {kv / GIB:.0f} GiB each:",
+        f"nvidia-smi), --kv-cache-memory-bytes {kv / GIB:g} GiB each:",
         "",
         "| engine | role | GPU memory of its own | KV cache |",
         "| --- | --- | ---: | --- |",
@@ -547,7 +547,7 @@ def failover_phase(model: str, work: str, sock: str, kv: int, trials: int, batch
     failed = [r for r in fail_reqs if not r.ok]
     lines = [
         f"{trials} trials, SIGKILL of the primary's process group (API server and engine core), "
-        f"--kv-cache-memory-bytes {kv / GIB:.0f} GiB, standbys sleeping:",
+        f"--kv-cache-memory-bytes {kv / GIB:g} GiB, standbys sleeping:",
         "",
         "| kill -> | p50 | p99 | max |",
         "| --- | ---: | ---: | ---: |",
