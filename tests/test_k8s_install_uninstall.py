@@ -10,6 +10,7 @@ kind that names it. One control plane start (~15 s) and ~40 s of commands in all
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import os
@@ -32,7 +33,6 @@ STATIC = REPO / "deploy" / "static"
 UPGRADE = (REPO / "docs" / "upgrade.md").read_text()
 REGISTRY = "registry.example.com/platform"
 CRDS = ("enginesets.weightcache.io", "weightcaches.weightcache.io")
-WC = "/apis/weightcache.io/v1alpha1"
 
 HELM = r'''#!PYTHON
 """`helm` for the docs' commands: install, upgrade, uninstall, get values, through helm-sdkpy."""
@@ -156,8 +156,11 @@ def render_module():
 
 def test_the_static_manifests_equal_a_fresh_render_of_the_chart(lab: Lab) -> None:
     fresh = render_module().render(str(lab.kubeconfig))
-    assert (STATIC / "weightcache.yaml").read_text() == fresh, \
-        "deploy/static/weightcache.yaml is stale: run python deploy/static/render.py"
+    committed = (STATIC / "weightcache.yaml").read_text()
+    if committed != fresh:
+        diff = difflib.unified_diff(committed.splitlines(), fresh.splitlines(), "committed", "rendered", lineterm="")
+        pytest.fail("deploy/static/weightcache.yaml differs from the chart: run python deploy/static/render.py\n"
+                    + "\n".join(list(diff)[:60]))
 
 
 # -- Helm: install as the README says, upgrade and uninstall as docs/upgrade.md says ---------------

@@ -10,13 +10,13 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
+
+from test_first_day import stop_session
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -28,19 +28,6 @@ def quick_start() -> tuple[str, str]:
     shell = re.findall(r"```bash\n(.*?)```", body, re.DOTALL)[0]
     python = re.findall(r"```python\n(.*?)```", body, re.DOTALL)[0]
     return shell, python
-
-
-def stop_session(leader: int, timeout: float = 30) -> None:
-    """SIGTERM every process the shell left running (its session), and wait until none is left."""
-    deadline = time.monotonic() + timeout
-    try:
-        os.killpg(leader, signal.SIGTERM)
-        while time.monotonic() < deadline:
-            os.killpg(leader, 0)
-            time.sleep(0.05)
-        os.killpg(leader, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def test_the_quick_start_blocks_are_self_contained():
