@@ -208,8 +208,11 @@ def test_helm_install_upgrade_and_uninstall_as_documented_leave_nothing(lab: Lab
         wait_for(lambda: lab.api.get_or_none("/api/v1/namespaces/default/serviceaccounts/weightcache-agent"),
                  timeout=30, what="the agents' ServiceAccount")
 
+        new = tmp_path / "new"  # this checkout's chart, in a directory the commands may write to
+        (new / "charts").mkdir(parents=True)
+        (new / "charts" / "weightcache").symlink_to(CHART)
         (upgrade,) = blocks("Upgrade with Helm")
-        shell(upgrade, cwd=REPO, VERSION="0.2.0")
+        shell(upgrade, cwd=new, VERSION="0.2.0")
         assert operator_container(lab)["image"] == f"{REGISTRY}/weightcache-operator:0.2.0"
         env = {e["name"]: e.get("value") for e in operator_container(lab)["env"]}
         assert env["WEIGHTCACHE_AGENT_IMAGE"] == f"{REGISTRY}/weightcache-agent:0.2.0"
@@ -220,7 +223,7 @@ def test_helm_install_upgrade_and_uninstall_as_documented_leave_nothing(lab: Lab
         assert printer_columns(lab, "weightcaches.weightcache.io")
 
         (uninstall,) = blocks("Uninstall with Helm")
-        shell(uninstall, cwd=REPO)
+        shell(uninstall, cwd=new)
     finally:
         os.killpg(operator.pid, signal.SIGTERM)
         operator.wait(timeout=30)
