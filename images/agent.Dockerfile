@@ -1,20 +1,39 @@
-# The weightcache node agent: CUDA runtime, torch for that CUDA, cuda-bindings (the `cuda` extra).
-# Build from the repository root:  docker build -f images/agent.Dockerfile -t ghcr.io/weightcache/agent:0.1.0 .
-FROM nvidia/cuda:12.8.1-runtime-ubuntu24.04
-ENV PIP_NO_CACHE_DIR=1 PIP_BREAK_SYSTEM_PACKAGES=1 PYTHONUNBUFFERED=1
+# The weightcache node agent (also an engine image for the reference engine): Python, torch,
+# weightcache with the `cuda` extra (cuda-bindings), and the torch-native attach binder compiled
+# against that very torch.
+#
+# torch and CUDA: a cache's fingerprint holds the torch major.minor and, on GPUs, the CUDA
+# version, so engines attach only where their image has the same torch major.minor and CUDA as
+# this one (docs/install.md, "Images"). Defaults: torch 2.13.0 built for CUDA 13.0, on a CUDA 13.0
+# base. Build engine images with the same TORCH and TORCH_INDEX, or change both images together.
+#
+# Build from the repository root:
+#   docker build -f images/agent.Dockerfile -t REGISTRY/weightcache-agent:0.1.0 .
+# images/build.sh builds it with buildah instead (and is how CI builds it, on a local Debian base
+# with a CPU torch wheel: --build-arg BASE=... TORCH=/tmp/torch-...whl TORCH_INDEX=https://pypi.org/simple).
+ARG BASE=nvidia/cuda:13.0.0-base-ubuntu24.04
+FROM ${BASE}
+# a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
+ARG PIP_CERT
+# A requirement or a wheel file, and the index it and its dependencies come from.
+ARG TORCH=torch==2.13.0
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PATH=/opt/weightcache/bin:$PATH
 RUN apt-get update \
- && apt-get install -y --no-install-recommends python3 python3-pip util-linux \
- && rm -rf /var/lib/apt/lists/*
-# torch first, from the index that matches the base image's CUDA.
-RUN pip install "torch>=2.4,<3" --index-url https://download.pytorch.org/whl/cu128
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY node_agent node_agent
-COPY operator operator
-# A compiler only for the install: it builds the attach loop's C extension (setup.py).
-RUN apt-get update && apt-get install -y --no-install-recommends gcc python3-dev \
- && pip install ".[cuda]" \
- && apt-get purge -y gcc python3-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* /src
-WORKDIR /
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/* \
+ && python3 -m venv /opt/weightcache \
+ && pip install "$TORCH" --index-url "$TORCH_INDEX"
+COPY pyproject.toml setup.py MANIFEST.in README.md /src/
+COPY node_agent /src/node_agent
+COPY operator /src/operator
+# A compiler only while building: setup.py's C extensions, then `weightcache build-native`, which
+# compiles the row binder against the torch above, beside the package (where engines look first).
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ python3-dev \
+ && pip install "/src[cuda]" \
+ && weightcache build-native \
+ && apt-get purge -y --auto-remove gcc g++ python3-dev \
+ && rm -rf /var/lib/apt/lists/* /src
 # The DaemonSet passes the rest: --model, --socket-dir, --tp-size, --devices, --http-port, ...
 ENTRYPOINT ["weightcache", "agent"]

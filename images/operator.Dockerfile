@@ -1,16 +1,24 @@
-# The weightcache operator: kopf + the kubernetes client, no torch (it never imports it).
-# Build from the repository root:  docker build -f images/operator.Dockerfile -t ghcr.io/weightcache/operator:0.1.0 .
-FROM python:3.12-slim
-WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
-COPY node_agent node_agent
-COPY operator operator
-# --no-deps: the distribution's core dependencies (torch, ...) are the agent's, not the operator's.
-RUN pip install --no-cache-dir --no-deps . \
- && pip install --no-cache-dir "kopf>=1.37,<2" "kubernetes>=30" "pyyaml>=6" \
+# The weightcache operator: kopf and the kubernetes client, no torch (it never imports it).
+# BASE: any image with python3 >= 3.10 and its venv module.
+#
+# Build from the repository root:
+#   docker build -f images/operator.Dockerfile -t REGISTRY/weightcache-operator:0.1.0 .
+# images/build.sh builds it with buildah instead (CI: on a local Debian base).
+ARG BASE=python:3.12-slim
+FROM ${BASE}
+# a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
+ARG PIP_CERT
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PATH=/opt/weightcache/bin:$PATH
+COPY pyproject.toml setup.py MANIFEST.in README.md /src/
+COPY node_agent /src/node_agent
+COPY operator /src/operator
+# --no-deps: the distribution's core dependencies (torch, ...) are the agent's; the operator needs
+# the `operator` extra's packages and pyyaml (tests/test_images.py checks these agree with pyproject.toml).
+RUN python3 -m venv /opt/weightcache \
+ && pip install --no-deps /src \
+ && pip install "kopf>=1.37,<2" "kubernetes>=30" "pyyaml>=6" \
  && rm -rf /src
-WORKDIR /
 # The chart runs it as this non-root user with a read-only root filesystem.
 USER 65532:65532
-ENTRYPOINT ["weightcache", "operator"]
+ENTRYPOINT ["weightcache-operator"]
 CMD ["--all-namespaces"]

@@ -1,0 +1,159 @@
+"""The images, built as CI builds them and then run: images/build.sh (buildah, no Docker daemon)
+on a Debian base made with mmdebstrap, the agent with a CPU torch. Inside the agent image the
+agent serves a tiny checkpoint on the cpu backend and an engine attaches (images/smoke.py);
+inside the operator image `weightcache-operator --help` runs as the chart's non-root user.
+
+`.ci/run` starts the build in the background before the suite and names its folder in
+`$WEIGHTCACHE_IMAGES` (build.log, then build.rc, the archives in out/, buildah's storage in
+storage/); these tests wait for build.rc. Without that variable they run the build themselves
+(a few minutes). Without buildah or mmdebstrap they skip, except where `CI` is set: there
+they fail, as they do when the build failed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+IMAGES = ROOT / "images"
+TORCH = "2.13.0"  # the version CI pins (.ci/run), built for CPU into the test images
+BUILD_WAIT = 1500.0  # seconds a test waits for the background build, well past its usual 5 to 8 minutes
+
+
+def dockerfile(name: str) -> str:
+    return (IMAGES / f"{name}.Dockerfile").read_text()
+
+
+def arg(text: str, name: str) -> str:
+    return re.search(rf"^ARG {name}=(\S+)$", text, re.MULTILINE).group(1)
+
+
+# What holds without building anything.
+
+@pytest.mark.parametrize("name", ["agent", "operator", "vllm"])
+def test_every_dockerfile_takes_its_base_as_an_argument(name):
+    text = dockerfile(name)
+    assert re.search(r"^ARG BASE=\S+\nFROM \$\{BASE\}$", text, re.MULTILINE), name
+
+
+def test_agent_image_pins_the_torch_and_cuda_that_docs_install_names():
+    text = dockerfile("agent")
+    torch_version = arg(text, "TORCH").removeprefix("torch==")
+    cuda_index = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)(\d)", arg(text, "TORCH_INDEX"))
+    cuda = f"{cuda_index.group(1)}.{cuda_index.group(2)}"
+    assert re.fullmatch(rf"nvidia/cuda:{re.escape(cuda)}\.\d+-\w+-ubuntu[\d.]+", arg(text, "BASE"))
+    assert "weightcache build-native" in text and "apt-get purge" in text
+    install = " ".join((ROOT / "docs" / "install.md").read_text().split())
+    assert f"torch {torch_version}" in install and f"CUDA {cuda}" in install, (torch_version, cuda)
+    assert torch_version == TORCH  # the version CI builds the test image with is the one it ships
+
+
+def test_operator_image_installs_what_pyproject_says_the_operator_needs():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    needed = {*re.findall(r'"([^"]+)"', re.search(r"^operator = \[(.*)\]$", pyproject, re.MULTILINE).group(1)),
+              re.search(r'"(pyyaml[^"]*)"', pyproject).group(1)}
+    installed = set(re.findall(r'"([a-z-]+[<>=][^"]*)"', dockerfile("operator")))
+    assert installed == needed
+
+
+# The built images.
+
+def buildah_env(tmp: pathlib.Path) -> dict[str, str]:
+    conf = tmp / "containers.conf"
+    conf.write_text("[containers]\ndefault_ulimits = []\n")  # a sandbox may not raise ulimits
+    return dict(os.environ, CONTAINERS_CONF=str(conf))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> pathlib.Path:
+    """The folder of a finished build: out/agent.tar, out/operator.tar, storage/."""
+    given = os.environ.get("WEIGHTCACHE_IMAGES")
+    if given:
+        where = pathlib.Path(given)
+    else:
+        missing = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
+        if missing:
+            if os.environ.get("CI"):
+                pytest.fail(f"CI builds the images, but {' and '.join(missing)} is not installed")
+            pytest.skip(f"{' and '.join(missing)} not installed (apt-get install buildah mmdebstrap)")
+        where = tmp_path_factory.mktemp("images")
+        with open(where / "build.log", "w") as log:
+            rc = subprocess.run([IMAGES / "build.sh", "--debian-base", "--cpu-torch", TORCH, "--out", where / "out",
+                                 "--storage", where / "storage"], stdout=log, stderr=subprocess.STDOUT,
+                                timeout=BUILD_WAIT).returncode
+        (where / "build.rc").write_text(f"{rc}\n")
+    deadline = time.monotonic() + BUILD_WAIT
+    while not (where / "build.rc").exists():
+        assert time.monotonic() < deadline, f"the image build in {where} did not finish in {BUILD_WAIT:.0f} s"
+        time.sleep(2)
+    log = (where / "build.log").read_text(errors="replace") if (where / "build.log").exists() else ""
+    assert (where / "build.rc").read_text().strip() == "0", f"images/build.sh failed:\n{log[-4000:]}"
+    return where
+
+
+class Container:
+    """A container of one built image (from its OCI archive), removed afterwards."""
+
+    def __init__(self, built: pathlib.Path, image: str, tmp: pathlib.Path):
+        self.buildah = ["buildah", "--root", str(built / "storage" / "root"), "--runroot", str(built / "storage" / "run")]
+        self.env = buildah_env(tmp)
+        self.name = self._ok("from", "--quiet", "--pull-never", f"oci-archive:{built / 'out' / f'{image}.tar'}").strip()
+
+    def _ok(self, *argv: str, timeout: float = 300) -> str:
+        done = subprocess.run([*self.buildah, *argv], capture_output=True, text=True, env=self.env, timeout=timeout)
+        assert done.returncode == 0, f"buildah {' '.join(argv[:3])} exited {done.returncode}: {done.stderr[-3000:]}"
+        return done.stdout
+
+    def run(self, *command: str, volume: str | None = None) -> str:
+        return self._ok("run", "--isolation", "chroot", *(["--volume", volume] if volume else []), self.name, "--",
+                        *command)
+
+    def config(self) -> dict:
+        return json.loads(self._ok("inspect", "--type", "container", self.name))["OCIv1"]["config"]
+
+    def remove(self) -> None:
+        subprocess.run([*self.buildah, "rm", self.name], capture_output=True, env=self.env, timeout=120)
+
+
+@pytest.fixture
+def container(built, tmp_path):
+    made = []
+
+    def make(image: str) -> Container:
+        made.append(Container(built, image, tmp_path))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.remove()
+
+
+def test_agent_image_serves_an_engine_on_cpu(container):
+    agent = container("agent")
+    assert agent.config()["Entrypoint"] == ["weightcache", "agent"]
+    report = json.loads(agent.run("python3", "/smoke/smoke.py", volume=f"{IMAGES}:/smoke:ro").strip().splitlines()[-1])
+    assert report["package"].startswith("/opt/weightcache/"), report
+    assert report["torch"].split("+")[0] == TORCH, report
+    assert (report["status_phase"], report["source"], report["equal"]) == ("ready", "agent", True), report
+    assert report["bind"] == "torch-native", report  # `weightcache build-native` ran against the image's torch
+    # the compiler was only there for the build, and so was the source tree
+    leftovers = agent.run("sh", "-c", "command -v gcc g++ cc c++ || true; ls -d /src 2>/dev/null || true")
+    assert leftovers.strip() == "", leftovers
+
+
+def test_operator_image_runs_the_operator_command_as_its_non_root_user(container):
+    operator = container("operator")
+    config = operator.config()
+    assert (config["Entrypoint"], config["User"]) == (["weightcache-operator"], "65532:65532"), config
+    out = operator.run("sh", "-c", "id -u; weightcache-operator --help; "
+                                   "python3 -c 'import kopf, kubernetes, weightcache_operator.registry'; "
+                                   "python3 -c 'import torch' 2>/dev/null && echo torch installed || true")
+    uid, _, help_text = out.partition("\n")
+    assert uid == "65532" and "--all-namespaces" in help_text and "torch installed" not in out, out
