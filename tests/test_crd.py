@@ -10,6 +10,7 @@ spec check (``weightcache_operator.api.v1alpha1.weightcache_types``) is held to 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -143,9 +144,10 @@ def test_spec_paths_are_the_contract() -> None:
 def test_printer_columns() -> None:
     (version,) = load_crd()["spec"]["versions"]
     columns = {c["name"].upper(): c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["READY", "NODES", "MODEL", "QUANT", "AGE"]
+    assert list(columns) == ["READY", "NODES", "STATUS", "MODEL", "QUANT", "AGE"]
     assert columns["READY"]["jsonPath"] == ".status.readyNodes"
     assert columns["NODES"]["jsonPath"] == ".status.desiredNodes"
+    assert columns["STATUS"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
     assert columns["MODEL"]["jsonPath"] == ".status.model"
     assert columns["QUANT"]["jsonPath"] == ".spec.quantization"
     assert columns["AGE"] == {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
@@ -153,10 +155,17 @@ def test_printer_columns() -> None:
     for column in columns.values():
         if column["jsonPath"].startswith(".metadata"):
             continue
-        node = SCHEMA
-        for part in column["jsonPath"].strip(".").split("."):
-            node = node["properties"][part]
-        assert node["type"] == column["type"], column
+        assert schema_at(SCHEMA, column["jsonPath"])["type"] == column["type"], column
+
+
+def schema_at(schema: dict, json_path: str) -> dict:
+    """The schema node a printer column's JSONPath reads (a filter `[?(...)]` selects list items)."""
+    node = schema
+    for name, selected in re.findall(r"\.(\w+)(\[\?\(.*?\)\])?", json_path):
+        node = node["properties"][name]
+        if selected:
+            node = node["items"]
+    return node
 
 
 def test_defaults_fill_a_minimal_spec() -> None:

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 import yaml
 from operator_fixtures import CRD_PATH, example_documents
-from test_crd import CEL, apply_defaults, cel_violations, walk
+from test_crd import CEL, apply_defaults, cel_violations, schema_at, walk
 from weightcache_operator.api.v1alpha1.engineset_types import parse_engineset
 from weightcache_operator.api.v1alpha1.weightcache_types import SpecError
 
@@ -51,14 +51,12 @@ def test_identity_scale_and_status_subresources() -> None:
 def test_printer_columns_point_at_fields_that_exist() -> None:
     (version,) = CRD["spec"]["versions"]
     columns = {c["name"]: c for c in version["additionalPrinterColumns"]}
-    assert list(columns) == ["Ready", "Serving", "Standbys", "Cache", "Rollout", "Age"]
+    assert list(columns) == ["Ready", "Serving", "Standbys", "Status", "Cache", "Rollout", "Age"]
+    assert columns["Status"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].reason'
     for column in columns.values():
         if column["name"] == "Age":
             continue
-        node = SCHEMA
-        for part in column["jsonPath"].lstrip(".").split("."):
-            node = node["properties"][part]
-        assert node["type"] == column["type"], column
+        assert schema_at(SCHEMA, column["jsonPath"])["type"] == column["type"], column
 
 
 def test_every_list_is_bounded_and_every_rule_has_a_message() -> None:

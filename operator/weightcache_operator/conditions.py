@@ -5,7 +5,9 @@ per type with status, reason (CamelCase), message, observedGeneration, and a
 lastTransitionTime that moves only when the status changes. ``merge`` computes the
 new list from the old one and the desired states; ``transitions`` says what changed
 in a way worth a Kubernetes Event (status or reason, never just the message, so
-progress updates do not flood the event stream).
+progress updates do not flood the event stream); a Warning one where something broke:
+Degraded turning True, Ready leaving True, or Ready False for the very reason Degraded is
+True (no node, no claim, an invalid spec), so that a failure is never only a Normal event.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Transition:
     status: str
     reason: str
     message: str
+    failure: bool = False  # Ready is not True for the reason Degraded gives (NoNodes, ClaimNotFound, ...)
 
     @property
     def warning(self) -> bool:
@@ -43,7 +46,7 @@ class Transition:
         if self.type == DEGRADED:
             return self.status == "True"
         if self.type == READY:
-            return self.old_status == "True" and self.status != "True"
+            return self.status != "True" and (self.old_status == "True" or self.failure)
         if self.type == PROGRESSING:
             return self.status == "False"  # a rollout stalled
         return False
@@ -85,11 +88,19 @@ def merge(
     return out
 
 
+def holds(conditions: Sequence[Mapping[str, Any]] | None, ctype: str, status: str, reason: str) -> bool:
+    """The condition `ctype` already has this status and reason: nothing new to say about it."""
+    cond = _by_type(conditions).get(ctype)
+    return cond is not None and cond.get("status") == status and cond.get("reason") == reason
+
+
 def transitions(
     old: Sequence[Mapping[str, Any]] | None, new: Sequence[Mapping[str, Any]]
 ) -> list[Transition]:
     """Conditions whose status or reason differ between ``old`` and ``new``."""
     previous = _by_type(old)
+    degraded = _by_type(new).get(DEGRADED) or {}
+    failure = degraded.get("reason") if degraded.get("status") == "True" else None
     out = []
     for cond in new:
         if cond.get("type") not in OURS:
@@ -102,5 +113,6 @@ def transitions(
                 status=cond["status"],
                 reason=cond["reason"],
                 message=cond["message"],
+                failure=cond["type"] == READY and cond["reason"] == failure,
             ))
     return out

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -37,8 +38,25 @@ from .controller.weightcache.reconciler import Reconciler
 from .kube import KubeApi, connection_info, load_client_configuration
 
 
+class QuietTimerSuccesses(logging.Filter):
+    """kopf logs "Timer 'poll' succeeded." at INFO on every tick: one line per object per poll
+    interval that says nothing. Such lines become DEBUG (shown where debug logging is on); a poll
+    that fails still logs its warning."""
+
+    LINE = re.compile(r"Timer '[^']*' succeeded\.")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.INFO and isinstance(record.msg, str) and self.LINE.fullmatch(record.msg):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def build_settings(settings: kopf.OperatorSettings | None = None) -> kopf.OperatorSettings:
-    """kopf settings for this operator (also used by the tests' KopfRunner)."""
+    """kopf settings for this operator (also used by the tests' KopfRunner), and its log's filter."""
+    objects = logging.getLogger("kopf.objects")  # kopf's per-object log, handler outcomes included
+    if not any(isinstance(f, QuietTimerSuccesses) for f in objects.filters):
+        objects.addFilter(QuietTimerSuccesses())
     settings = settings or kopf.OperatorSettings()
     # kopf's own bookkeeping goes into annotations under our group, never into
     # .status (the CRD's structural schema would prune unknown status fields).

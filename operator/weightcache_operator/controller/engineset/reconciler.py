@@ -54,7 +54,7 @@ from kubernetes.client.exceptions import ApiException
 from ... import owned_status
 from ...api.v1alpha1.engineset_types import EngineSetSpec, check_gpu_resources, parse_engineset
 from ...api.v1alpha1.weightcache_types import CacheSpec, SpecError, parse_spec, plain
-from ...conditions import DEGRADED, PROGRESSING, READY, Desired, merge, now_rfc3339
+from ...conditions import DEGRADED, PROGRESSING, READY, Desired, holds, merge, now_rfc3339
 from ...kube import merge_patch_for
 from ...owned_status import carried_status, publish_status
 from ...reconciler import ObjectReconciler
@@ -398,11 +398,14 @@ class EngineSetReconciler(ObjectReconciler):
             es = parse_engineset(name, plain(body.get("spec") or {}))
             view = await self._cache_view(namespace, es)
         except SpecError as e:
-            logger.warning(f"not reconciling, pods left unchanged: {e.message}")
+            if not holds(old_status.get("conditions"), DEGRADED, "True", e.reason):  # once, not every poll
+                logger.warning(f"not reconciling, pods left unchanged: {e.message}")
             desired = problem_conditions(e.reason, e.message)
         else:
             desired = await self._converge(body, memo, logger, namespace, name, uid, es, view, old_status, new_status)
 
+        for key in ("replicas", "readyGroups", "servingGroups", "standbys"):  # printer columns: 0, never blank
+            new_status.setdefault(key, 0)
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
         await publish_status(body, memo, logger, old_status, new_status, STATUS_KEYS,
                              status_patch(old_status, new_status), self.api.patch_engineset_status)

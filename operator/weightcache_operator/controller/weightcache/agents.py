@@ -52,6 +52,7 @@ class AgentPod:
     terminating: bool
     created: str  # creationTimestamp, for picking the newest of two pods on one node
     waiting: str | None  # why the agent container is not running, if it is not
+    unschedulable: str | None = None  # why the scheduler places the pod on no node, while it says so
 
     @property
     def url(self) -> str | None:
@@ -114,6 +115,13 @@ def _waiting(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _unschedulable(status: Mapping[str, Any]) -> str | None:
+    for c in status.get("conditions", []) or []:
+        if c.get("type") == "PodScheduled" and c.get("status") == "False":
+            return str(c.get("message") or c.get("reason") or "not scheduled")[:1024]
+    return None
+
+
 def agent_pod(pod: Mapping[str, Any], default_port: int) -> AgentPod:
     meta = pod.get("metadata", {})
     status = pod.get("status", {}) or {}
@@ -131,6 +139,7 @@ def agent_pod(pod: Mapping[str, Any], default_port: int) -> AgentPod:
         terminating=bool(meta.get("deletionTimestamp")),
         created=str(meta.get("creationTimestamp") or ""),
         waiting=_waiting(pod),
+        unschedulable=_unschedulable(status),
     )
 
 

@@ -19,8 +19,10 @@ does not care why it runs:
    memory for a second copy of a rank (``transition``): Degraded, reason
    ``InsufficientMemory``, until every node has room;
 3. list the agent pods, ask each for ``/status``, roll the answers up;
-4. compute the conditions, patch the status subresource only if something changed,
-   and post an Event for each condition that changed status or reason.
+4. compute the conditions (a model claim the scheduler finds missing on the agent pods:
+   ``ClaimNotFound``), patch the status subresource only if something changed (the
+   node counts always present, 0 until known), and post an Event for each condition
+   that changed status or reason.
 
 Restarting the operator at any moment converges to the same state: nothing is
 remembered between runs that is not in the API (the spec hash lives on the
@@ -39,7 +41,7 @@ from kubernetes.client.exceptions import ApiException
 
 from ... import owned_status
 from ...api.v1alpha1.weightcache_types import SpecError, parse_spec, plain
-from ...conditions import DEGRADED, Desired, merge
+from ...conditions import DEGRADED, Desired, holds, merge
 from ...kube import merge_patch_for
 from ...owned_status import carried_status, publish_status
 from ...reconciler import ObjectReconciler
@@ -58,7 +60,8 @@ from .manifests import (
     selector_labels,
     socket_dir,
 )
-from .rollup import agent_conditions, daemonset_rollout, integrity_news, node_entry, spec_conditions, summarize
+from .rollup import (agent_conditions, claim_conditions, daemonset_rollout, integrity_news, node_entry, spec_conditions,
+                     summarize)
 from .transition import HELD_FOR_MEMORY, daemonset_model, hold_message, memory_shortfalls
 
 ARENA_INTEGRITY = "ArenaIntegrity"  # Event and condition reason: an agent found its arena changed
@@ -211,7 +214,8 @@ class Reconciler(ObjectReconciler):
             cs = parse_spec(plain(body.get("spec") or {}))
             self.config.agent_image_for(cs.agent_image)  # privileged: only an image the admin allows
         except SpecError as e:
-            logger.warning(f"invalid spec, agents left unchanged: {e.message}")
+            if not holds(old_status.get("conditions"), DEGRADED, "True", e.reason):  # once, not every poll
+                logger.warning(f"invalid spec, agents left unchanged: {e.message}")
             desired = spec_conditions(e.reason, e.message)
         else:
             new_status["model"] = cs.model_display
@@ -252,7 +256,12 @@ class Reconciler(ObjectReconciler):
                 desired = self._integrity(body, old_status, *agents, desired)
                 if held is not None:
                     desired = [d for d in desired if d.type != DEGRADED] + [Desired(DEGRADED, "True", HELD_FOR_MEMORY, held)]
+                if cs.model_pvc is not None:
+                    desired = claim_conditions(namespace, cs.model_pvc, agents[0]) or desired
 
+        # The printer columns' counts: 0 until agents say otherwise, never blank.
+        for key in ("readyNodes", "desiredNodes"):
+            new_status.setdefault(key, 0)
         new_status["conditions"] = merge(old_status.get("conditions"), desired, generation)
         await self._write_status(body, memo, old_status, new_status, logger)
 

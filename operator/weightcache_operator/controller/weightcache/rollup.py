@@ -23,6 +23,9 @@ from ...conditions import DEGRADED, LOADING, READY, Desired
 from .agents import AgentPod, AgentStatusError
 
 PHASES = ("Pending", "Loading", "Ready", "Failed", "Unknown")
+NO_NODES = "NoNodes"  # Ready and Degraded: no node runs an agent
+NO_NODES_MESSAGE = "no node runs an agent: check nodeSelector, tolerations and gpusPerNode"
+CLAIM_NOT_FOUND = "ClaimNotFound"  # Ready and Degraded: the model's PersistentVolumeClaim does not exist
 # Listing order when capping: what needs attention first.
 _PRIORITY = {"Failed": 0, "Unknown": 1, "Loading": 2, "Pending": 3, "Ready": 4}
 MAX_MESSAGE = 1024
@@ -274,8 +277,7 @@ def agent_conditions(summary: Mapping[str, Any], rollout: Rollout) -> list[Desir
         ready_c = Desired(READY, "False", "Rolling",
                           f"{rollout.updated}/{rollout.desired} agents run the current spec")
     elif desired == 0:
-        ready_c = Desired(READY, "False", "NoNodes",
-                          "no node runs an agent: check nodeSelector, tolerations and gpusPerNode")
+        ready_c = Desired(READY, "False", NO_NODES, NO_NODES_MESSAGE)
     elif ready >= desired and failed == 0 and unknown == 0 and busy == 0:
         ready_c = Desired(READY, "True", "AllNodesReady", f"{ready}/{desired} nodes hold the model")
     else:
@@ -292,7 +294,9 @@ def agent_conditions(summary: Mapping[str, Any], rollout: Rollout) -> list[Desir
     else:
         loading_c = Desired(LOADING, "False", "Idle", "no node is loading")
 
-    if failed:
+    if rollout.observed and not rollout.rolling and desired == 0:
+        degraded_c = Desired(DEGRADED, "True", NO_NODES, NO_NODES_MESSAGE)
+    elif failed:
         degraded_c = Desired(DEGRADED, "True", "AgentFailed",
                              f"{failed} node(s) failed: {_first_problems(entries, ('Failed',))}{more}")
     elif unknown:
@@ -301,6 +305,23 @@ def agent_conditions(summary: Mapping[str, Any], rollout: Rollout) -> list[Desir
     else:
         degraded_c = Desired(DEGRADED, "False", "AsExpected", "no node reports a problem")
     return [ready_c, loading_c, degraded_c]
+
+
+def claim_conditions(namespace: str, claim: str, pods: Sequence[AgentPod]) -> list[Desired] | None:
+    """Ready / Loading / Degraded while the scheduler says the model's PersistentVolumeClaim does not
+    exist (its words on the agent pods: ``persistentvolumeclaim "NAME" not found``), else None."""
+    words = f'persistentvolumeclaim "{claim}" not found'
+    waiting = sum(1 for p in pods if not p.terminating and words in (p.unschedulable or "").lower())
+    if not waiting:
+        return None
+    message = (f"PersistentVolumeClaim {claim} not found in namespace {namespace}: {waiting} agent pod(s) wait "
+               "for it; create it, readable from every selected node (ReadOnlyMany), holding the model "
+               "directory (safetensors and config.json) at its root")
+    return [
+        Desired(READY, "False", CLAIM_NOT_FOUND, message),
+        Desired(LOADING, "False", CLAIM_NOT_FOUND, "nothing loads until the claim exists"),
+        Desired(DEGRADED, "True", CLAIM_NOT_FOUND, message),
+    ]
 
 
 def spec_conditions(reason: str, message: str) -> list[Desired]:
