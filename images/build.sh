@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build the weightcache images with buildah (no Docker daemon needed) and write each as an OCI
-# archive, ready for `skopeo copy oci-archive:out/agent.tar docker://REGISTRY/...` or `podman load`.
+# archive, ready for `skopeo copy oci-archive:dist/images/agent.tar docker://REGISTRY/...` or `podman load`.
 #
 #   images/build.sh [--debian-base [--cpu-torch VERSION]] [--out DIR] [--storage DIR] [IMAGE...]
 #
 # IMAGE: agent, operator (the default: both), vllm. Each is tagged localhost/weightcache-IMAGE:VERSION
-# (VERSION from pyproject.toml) and written to DIR/IMAGE.tar (DIR: out/ by default).
+# (VERSION from pyproject.toml) and written to DIR/IMAGE.tar (--out DIR; dist/images/ by default).
 #   --debian-base      build on a Debian bookworm made here with mmdebstrap (python3 and its venv
 #                      module), one base for every image, instead of each Dockerfile's public BASE:
 #                      no image registry needed
@@ -17,15 +17,15 @@
 # needs no container runtime. CONTAINERS_CONF, if unset, names a file written here that sets no
 # default ulimits (a sandbox that cannot raise them refuses a build that asks).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+root=$(realpath "$(dirname "$0")/..")
 
-out=out debian=0 cpu_torch="" storage=() images=()
+out=$root/dist/images debian=0 cpu_torch="" storage=() images=()
 while [ $# -gt 0 ]; do
   case $1 in
     --debian-base) debian=1 ;;
     --cpu-torch) cpu_torch=$2; shift ;;
-    --out) out=$2; shift ;;
-    --storage) storage=(--root "$2/root" --runroot "$2/run"); shift ;;
+    --out) out=$(realpath -m "$2"); shift ;;
+    --storage) storage=(--root "$(realpath -m "$2")/root" --runroot "$(realpath -m "$2")/run"); shift ;;
     agent|operator|vllm) images+=("$1") ;;
     -h|--help) sed -n '2,/^set -e/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "images/build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -36,6 +36,7 @@ done
 if [ -n "$cpu_torch" ] && [ "$debian" = 0 ]; then
   echo "images/build.sh: --cpu-torch needs --debian-base (its wheel is for that base's Python 3.11)" >&2; exit 2
 fi
+cd "$root"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 work=$(mktemp -d "${TMPDIR:-/tmp}/weightcache-images.XXXXXX")
 trap 'rm -rf "$work"' EXIT

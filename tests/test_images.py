@@ -52,7 +52,8 @@ def test_agent_image_pins_the_torch_and_cuda_that_docs_install_names():
     assert "weightcache build-native" in text and "apt-get purge" in text
     install = " ".join((ROOT / "docs" / "install.md").read_text().split())
     assert f"torch {torch_version}" in install and f"CUDA {cuda}" in install, (torch_version, cuda)
-    assert torch_version == TORCH  # the version CI builds the test image with is the one it ships
+    # the image CI builds and runs has the torch the Dockerfile ships
+    assert torch_version == TORCH and f"--cpu-torch {TORCH} " in (ROOT / ".ci" / "run").read_text()
 
 
 def test_operator_image_installs_what_pyproject_says_the_operator_needs():
@@ -81,8 +82,8 @@ def built(tmp_path_factory) -> pathlib.Path:
         missing = [tool for tool in ("buildah", "mmdebstrap") if shutil.which(tool) is None]
         if missing:
             if os.environ.get("CI"):
-                pytest.fail(f"CI builds the images, but {' and '.join(missing)} is not installed")
-            pytest.skip(f"{' and '.join(missing)} not installed (apt-get install buildah mmdebstrap)")
+                pytest.fail(f"CI builds the images, but these are not installed: {', '.join(missing)}")
+            pytest.skip(f"not installed: {', '.join(missing)} (apt-get install buildah mmdebstrap)")
         where = tmp_path_factory.mktemp("images")
         with open(where / "build.log", "w") as log:
             rc = subprocess.run([IMAGES / "build.sh", "--debian-base", "--cpu-torch", TORCH, "--out", where / "out",
@@ -135,6 +136,7 @@ def container(built, tmp_path):
         c.remove()
 
 
+@pytest.mark.timeout(BUILD_WAIT + 300)  # the first one waits for the build
 def test_agent_image_serves_an_engine_on_cpu(container):
     agent = container("agent")
     assert agent.config()["Entrypoint"] == ["weightcache", "agent"]
@@ -148,6 +150,7 @@ def test_agent_image_serves_an_engine_on_cpu(container):
     assert leftovers.strip() == "", leftovers
 
 
+@pytest.mark.timeout(BUILD_WAIT + 300)  # the first one waits for the build
 def test_operator_image_runs_the_operator_command_as_its_non_root_user(container):
     operator = container("operator")
     config = operator.config()
