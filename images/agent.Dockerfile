@@ -11,7 +11,7 @@
 #   docker build -f images/agent.Dockerfile -t REGISTRY/weightcache-agent:0.1.0 .
 # images/build.sh builds it with buildah instead (and is how CI builds it, on a local Debian base
 # with a CPU torch wheel: --build-arg BASE=... TORCH=/tmp/torch-...whl TORCH_INDEX=https://pypi.org/simple).
-ARG BASE=nvidia/cuda:13.0.0-base-ubuntu24.04
+ARG BASE=docker.io/nvidia/cuda:13.0.0-base-ubuntu24.04
 FROM ${BASE}
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT

@@ -4,7 +4,7 @@
 # Build from the repository root:
 #   docker build -f images/operator.Dockerfile -t REGISTRY/weightcache-operator:0.1.0 .
 # images/build.sh builds it with buildah instead (CI: on a local Debian base).
-ARG BASE=python:3.12-slim
+ARG BASE=docker.io/library/python:3.12-slim
 FROM ${BASE}
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT

@@ -8,7 +8,7 @@
 #
 # Build from the repository root:
 #   docker build -f images/vllm.Dockerfile -t REGISTRY/weightcache-vllm:0.1.0 .
-ARG BASE=vllm/vllm-openai:v0.32.0
+ARG BASE=docker.io/vllm/vllm-openai:v0.32.0
 FROM ${BASE}
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT

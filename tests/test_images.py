@@ -48,7 +48,7 @@ def test_agent_image_pins_the_torch_and_cuda_that_docs_install_names():
     torch_version = arg(text, "TORCH").removeprefix("torch==")
     cuda_index = re.fullmatch(r"https://download\.pytorch\.org/whl/cu(\d+)(\d)", arg(text, "TORCH_INDEX"))
     cuda = f"{cuda_index.group(1)}.{cuda_index.group(2)}"
-    assert re.fullmatch(rf"nvidia/cuda:{re.escape(cuda)}\.\d+-\w+-ubuntu[\d.]+", arg(text, "BASE"))
+    assert re.fullmatch(rf"docker.io/nvidia/cuda:{re.escape(cuda)}\.\d+-\w+-ubuntu[\d.]+", arg(text, "BASE"))
     assert "weightcache build-native" in text and "apt-get purge" in text
     install = " ".join((ROOT / "docs" / "install.md").read_text().split())
     assert f"torch {torch_version}" in install and f"CUDA {cuda}" in install, (torch_version, cuda)
