@@ -29,8 +29,8 @@ from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, wri
 BIN = os.path.dirname(sys.executable)
 
 
-def command(name: str, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([os.path.join(BIN, name), *args], capture_output=True, text=True, timeout=120, **kw)
+def command(name: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([os.path.join(BIN, name), *args], capture_output=True, text=True, timeout=120)
 
 
 def wait_ready(socket: str, agent: subprocess.Popen, timeout: float = 120.0) -> dict:
@@ -46,7 +46,13 @@ def wait_ready(socket: str, agent: subprocess.Popen, timeout: float = 120.0) -> 
 
 
 def main() -> int:
-    work = tempfile.mkdtemp(prefix="wc-smoke-")
+    with tempfile.TemporaryDirectory(prefix="wc-smoke-") as work:
+        report = smoke(work)
+    print(json.dumps(report), flush=True)
+    return 0 if report["source"] == "agent" and report["equal"] else 1
+
+
+def smoke(work: str) -> dict:
     model = write_llama_checkpoint(os.path.join(work, "model"),
                                    LlamaShape(hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=128))
     socket = os.path.join(work, "agent.sock")
@@ -58,26 +64,22 @@ def main() -> int:
         status = wait_ready(socket, agent)
         expected = load_file(os.path.join(model, "model.safetensors"))
         module = skeleton_module({name: (t.shape, t.dtype) for name, t in expected.items()})
-        att = attach(module, CacheSpec(model=model), socket=socket, mode="client", fallback=False)
-        params = dict(module.named_parameters())
-        equal = sorted(params) == sorted(expected) and all(torch.equal(params[n], t) for n, t in expected.items())
-        report = {
-            "package": os.path.dirname(weightcache_agent.__file__),
-            "torch": torch.__version__,
-            "help_exit": helps,
-            "status_phase": status["phase"],
-            "source": att.source,
-            "tensors": len(params),
-            "equal": equal,
-            "bind": "torch-native" if rebind._torch_rows is not None else "c" if rebind._bindfast is not None else "python",
-        }
-        att.close()
+        with attach(module, CacheSpec(model=model), socket=socket, mode="client", fallback=False) as att:
+            params = dict(module.named_parameters())
+            return {
+                "package": os.path.dirname(weightcache_agent.__file__),
+                "torch": torch.__version__,
+                "help_exit": helps,
+                "status_phase": status["phase"],
+                "source": att.source,
+                "tensors": len(params),
+                "equal": sorted(params) == sorted(expected) and all(torch.equal(params[n], t) for n, t in expected.items()),
+                "bind": "torch-native" if rebind._torch_rows is not None else "c" if rebind._bindfast is not None
+                else "python",
+            }
     finally:
         agent.terminate()
         agent.wait(30)
-    print(json.dumps(report), flush=True)
-    return 0 if report["source"] == "agent" and equal else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())
