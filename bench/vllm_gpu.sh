@@ -49,6 +49,8 @@ install() {
     cat "$PARTS"/vllm-site.tar.xz.part-* | xz -dc -T0 | tar -C "$SITE" -xf -
   fi
   export PYTHONPATH="$SITE:$PWD/node_agent:$PWD/operator" PYTHONUNBUFFERED=1
+  # FlashInfer is left out (bench/vllm_gpu_requirements.txt): vLLM's sampler then uses its PyTorch path
+  export VLLM_USE_FLASHINFER_SAMPLER=0
   # this checkout as an installed distribution, so that vLLM's processes find its plugin entry point
   if ! python3 -c "import importlib.metadata as m; m.distribution('weightcache')" 2>/dev/null; then
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . > "$OUT/install.log" 2>&1 \
@@ -69,7 +71,7 @@ case "${1:-}" in
     deadline=$(( $(date +%s) + ${2:-540} ))
     while pgrep -f bench/vllm_gpu.py >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
     mkdir -p "$OUT"; cp "$PARTS"/run.log "$PARTS"/out/* "$OUT"/ 2>/dev/null || true
-    tar -czf "$OUT/logs.tgz" -C /tmp/wc-vllm-gpu --wildcards '*.log' 2>/dev/null || true
+    (cd /tmp/wc-vllm-gpu && tar -czf "$OUT/logs.tgz" -- *.log) 2>/dev/null || true
     tail -40 "$PARTS/run.log"
     pgrep -f bench/vllm_gpu.py >/dev/null && echo "still running" || echo "finished" ;;
   *) sed -n 2,14p "$0"; exit 2 ;;

@@ -135,7 +135,9 @@ class WeightcacheModelLoader(BaseModelLoader):
             preparing = threading.Thread(target=_prepare, args=(socket, rank), name="weightcache-prepare", daemon=True)
             preparing.start()
             model, device = self._build(vllm_config, model_config, prefix)
+            built = time.perf_counter()
             preparing.join()
+            prepared = time.perf_counter()
             copier = _FusedCopies(model)
             try:
                 self.attachment = self._attach(model, spec, socket, copier)
@@ -150,16 +152,21 @@ class WeightcacheModelLoader(BaseModelLoader):
             for name in set(layers) - known:
                 del layers[name]
             return self._miss(reason, type(e).__name__, vllm_config, model_config, prefix)
+        attached = time.perf_counter()
         with set_default_torch_dtype(model_config.dtype):
             _keep_cpu_weights_unpacked(model, device)
             process_weights_after_loading(model, model_config, device)
         model._weightcache = self.attachment  # the lease lives as long as the model
         vllm_standby.watch(self.attachment)
         views, copies = _view_bytes(model, self.attachment)
-        seconds = time.perf_counter() - started
-        log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s)",
+        done = time.perf_counter()
+        # where the time went: vLLM building the model (parameters on meta), the wait for the attach path's
+        # preparation beyond that, the attach itself, vLLM's post-load processing
+        log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s); model "
+                 "built in %.3fs, preparation waited on %.3fs, attach %.3fs, post-processing %.3fs",
                  os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket,
-                 seconds, _size(views), _size(copies), ", ".join(copier.copied) or "no copies")
+                 done - started, _size(views), _size(copies), ", ".join(copier.copied) or "no copies",
+                 built - started, prepared - built, attached - prepared, done - attached)
         if spec.layout != "vllm":
             log.warning("weightcache: the agent at %s holds the checkpoint's layout (%s), not vLLM's: %s of fused "
                         "parameters copied (%s); start it with --layout vllm so that they are shared views too",
