@@ -10,10 +10,12 @@ the engine's fingerprint fields, and replies with the manifest plus the arena fd
 then on the connection *is* the lease: when it drops, the agent knows the engine is
 gone, and if it was a group's primary, the oldest standby of that group is promoted on
 its own socket at once. In a cluster the pod a lease names is proven by the engine pod's
-projected token (serve/pod_identity.py), never taken from the request; a group belongs to
-the uid (and, in a cluster, the namespace) that claims it. A bad client -- garbage, wrong
-version, oversize frame, silence, a frame trickled byte by byte, death mid-handshake -- is
-logged and dropped within one request deadline; nobody else notices.
+projected token (serve/pod_identity.py), never taken from the request, and a group's name
+carries its namespace; off Kubernetes a group is keyed by uid and name, so that engines of
+another uid naming the same group form a group of their own and can neither squat nor join
+it (`Lease.key`). A bad client -- garbage, wrong version, oversize frame, silence, a frame
+trickled byte by byte, death mid-handshake -- is logged and dropped within one request
+deadline; nobody else notices.
 
 Re-adoption is where a client could otherwise hand the agent bytes of its own, so it takes
 proof. Each lease gets a random token in its manifest reply; the agent records the token's
@@ -104,6 +106,9 @@ class Lease:
     role: str
     group: str | None
     uid: int = -1
+    # Off Kubernetes the uid whose group this is (the group is keyed by uid and name); in a cluster
+    # None: the name carries the pod's namespace, proven by its token.
+    owner: int | None = None
     token_hash: str = ""  # sha256 of the rejoin token handed to this engine
     pod: dict[str, str] | None = None  # the engine's pod (labels follow roles by it)
     # The engine across ranks (serve/rank_group.py): its pod's uid, else the id the client sent.
@@ -120,6 +125,11 @@ class Lease:
     # primary, and status says so, so no reader ever sees a group without one.
     demoting: threading.Event = field(default_factory=threading.Event)
     ended: bool = False  # the connection is gone (set once, under the agent's lock)
+
+    @property
+    def key(self) -> tuple[int | None, str | None]:
+        """Which group this lease is in: (owner, name)."""
+        return self.owner, self.group
 
     @property
     def serving(self) -> bool:
@@ -1120,16 +1130,21 @@ class Agent:
         if held >= self.max_leases_per_uid:
             return protocol.error_message("too_many_leases", f"uid {uid} holds its cap of {self.max_leases_per_uid} "
                                                              "leases (and arenas handed out ahead of an attach)")
-        owner = self._group_owner(group) if group is not None and uid != 0 else None
+        owner = self._group_owner(self._group_key(uid, group)) if group is not None and uid != 0 else None
         if owner is not None and owner != uid:
             return protocol.error_message("group_taken", f"group {group!r} belongs to another user")
         return None
 
-    def _group_owner(self, group: str) -> int | None:
+    def _group_key(self, uid: int, group: str | None) -> tuple[int | None, str | None]:
+        """The `Lease.key` of a lease of `uid` in `group`: off Kubernetes the uid's own group of that name."""
+        return (None if self.pod_verifier is not None else uid), group
+
+    def _group_owner(self, key: tuple[int | None, str | None]) -> int | None:
         """The uid a group belongs to while it has leases: its first non-root claimant's (root may join
         any group as a guest without taking it over), else root's when only root holds it. Another
-        uid can neither squat a role in it nor take it over. Call with `_lock` held."""
-        members = [lease for lease in self._leases.values() if lease.group == group]
+        uid can neither squat a role in it nor take it over. (Off Kubernetes every member is the
+        key's uid.) Call with `_lock` held."""
+        members = [lease for lease in self._leases.values() if lease.key == key]
         if not members:
             return None
         users = [lease for lease in members if lease.uid != 0]
@@ -1205,9 +1220,10 @@ class Agent:
         """
         refusal = None
         engine = (pod or {}).get("uid") or engine
+        key = self._group_key(uid, group)
         if role == "auto" and self.ranks is not None and group is not None and engine is not None:
             try:
-                role = self.ranks.claim(group, engine)
+                role = self.ranks.claim(group, engine, key[0])
             except WeightCacheError as e:
                 log.error("cannot decide the role of pid=%s in group %r: %s", pid, group, e)
                 protocol.send_message(conn, protocol.error_message(
@@ -1216,7 +1232,7 @@ class Agent:
                 return None
         with self._lock:
             has_primary = group is not None and any(
-                lease.role == "primary" and lease.group == group for lease in self._leases.values())
+                lease.role == "primary" and lease.key == key for lease in self._leases.values())
             if role == "auto":
                 role = "standby" if has_primary else "primary"
             if role == "standby" and group is None:  # no primary's departure could ever promote it
@@ -1231,8 +1247,8 @@ class Agent:
                 if role == "standby" and not has_primary:  # engines start in any order: said, not refused
                     log.warning("standby pid=%s joined group %r, which has no primary on this agent yet: it is "
                                 "promoted only when a primary of that group attaches and then goes", pid, group)
-                lease = Lease(next(self._ids), conn, pid, role, group, uid, token_hash, pod=pod, engine=engine,
-                              verified=verified)
+                lease = Lease(next(self._ids), conn, pid, role, group, uid, key[0], token_hash, pod=pod,
+                              engine=engine, verified=verified)
                 self._leases[lease.id] = lease
                 self._grants.pop((uid, pid), None)  # a hand-out ahead of this attach is used up
                 self._handing(uid, pid)
@@ -1376,13 +1392,13 @@ class Agent:
             successor = None
             coordinated = self.ranks is not None and lease.engine is not None
             if lease.role == "primary" and lease.group is not None and not coordinated:
-                standbys = [s for s in self._leases.values() if s.group == lease.group and s.role == "standby"]
+                standbys = [s for s in self._leases.values() if s.key == lease.key and s.role == "standby"]
                 if standbys:
                     successor = min(standbys, key=lambda s: s.since)
                     successor.role = "primary"
         log.info("detached pid=%s role=%s group=%s lease=%d", lease.pid, lease.role, lease.group, lease.id)
         if coordinated and lease.role == "primary" and lease.group is not None and not self._closed.is_set():
-            self.ranks.lost(lease.group, lease.engine)  # every rank promotes the same engine
+            self.ranks.lost(lease.group, lease.engine, lease.owner)  # every rank promotes the same engine
         if successor is not None:
             self._promote(successor, {"type": "promote", "group": lease.group, "previous_pid": lease.pid})
 
@@ -1416,28 +1432,35 @@ class Agent:
         agent's own uid: the node's tooling, the other ranks' agents) may ask; an engine cannot take
         the primary role from another by asking."""
         self._privileged(conn, "switchover")
-        group, to_pod, to_pid, to_engine = (message.get(k) for k in ("group", "to_pod", "to_pid", "to_engine"))
+        group, to_pod, to_pid, to_engine, owner = (message.get(k) for k in ("group", "to_pod", "to_pid", "to_engine",
+                                                                              "owner"))
         if not isinstance(group, str) or not (to_pod is None or isinstance(to_pod, str)) or \
-                not (to_pid is None or isinstance(to_pid, int)) or not (to_engine is None or isinstance(to_engine, str)):
+                not (to_pid is None or isinstance(to_pid, int)) or not (to_engine is None or isinstance(to_engine, str)) \
+                or not (owner is None or isinstance(owner, int)):
             raise ProtocolError("switchover needs group (a string), and to_pod (a pod name), to_pid (an int), "
-                                "to_engine (an engine key) or none of them (demote only)")
-        protocol.send_message(conn, self.switch(group, to_pod, to_pid, to_engine))
+                                "to_engine (an engine key) or none of them (demote only); owner: null or a uid")
+        protocol.send_message(conn, self.switch(group, to_pod, to_pid, to_engine, owner))
 
     def switch(self, group: str, to_pod: str | None = None, to_pid: int | None = None,
-               to_engine: str | None = None) -> dict[str, Any]:
+               to_engine: str | None = None, owner: int | None = None) -> dict[str, Any]:
         """Promote the named standby and demote the group's primary, in one step; the `switched` reply.
 
         With no standby named, only the primary is demoted: the new primary is an engine of
-        another agent (a new revision's, during an upgrade), promoted there first.
+        another agent (a new revision's, during an upgrade), promoted there first. Off
+        Kubernetes, `owner` (a uid) says whose group of that name; the named standby's group is
+        the one switched either way.
         """
         started = time.perf_counter()
         demote_only = to_pod is None and to_pid is None and to_engine is None
         with self._lock:
-            members = [lease for lease in self._leases.values() if lease.group == group]
+            members = [lease for lease in self._leases.values()
+                       if lease.group == group and (owner is None or lease.owner == owner)]
             target = None if demote_only else next((lease for lease in members if lease.role == "standby" and (
                 (to_pid is not None and lease.pid == to_pid) or
                 (to_engine is not None and lease.engine == to_engine) or
                 (to_pod is not None and (lease.pod or {}).get("name") == to_pod))), None)
+            if target is not None:
+                members = [lease for lease in members if lease.key == target.key]
             old = [lease for lease in members if lease.role == "primary"]
             if target is not None or demote_only:
                 if target is not None:
@@ -1467,16 +1490,16 @@ class Agent:
     def _rank_group_request(self, conn: socket.socket, message: dict[str, Any]) -> None:
         """Another rank's agent asks the coordinator (rank 0) to decide a role or promote its group."""
         self._privileged(conn, message["type"])
-        group, engine = message.get("group"), _engine_id(message.get("engine"))
+        group, engine, owner = message.get("group"), _engine_id(message.get("engine")), message.get("owner")
         if self.ranks is None or not self.ranks.coordinator:
             raise ProtocolError(f"{message['type']} goes to rank 0's agent of a tensor-parallel replica")
         _check_lease_terms(message["type"], "auto", group)
-        if engine is None or group is None:
-            raise ProtocolError(f"{message['type']} needs a group and an engine")
+        if engine is None or group is None or not (owner is None or isinstance(owner, int)):
+            raise ProtocolError(f"{message['type']} needs a group, an engine, and owner null or a uid")
         if message["type"] == "group_claim":
-            protocol.send_message(conn, {"type": "group_role", "role": self.ranks.decide_claim(group, engine)})
+            protocol.send_message(conn, {"type": "group_role", "role": self.ranks.decide_claim(group, engine, owner)})
         else:
-            done = self.ranks.decide_lost(group, engine)
+            done = self.ranks.decide_lost(group, engine, owner)
             protocol.send_message(conn, {"type": "group_promoted", "engine": done["to"] if done else None})
 
 

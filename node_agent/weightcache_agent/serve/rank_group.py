@@ -23,10 +23,12 @@ single-rank rules.
         only once the whole engine is primary. The other ranks' reports of the same loss find
         the new primary and do nothing.
 
-The coordinator reads the other ranks' leases from their status (one request per rank);
-a rank that does not answer is retried for `PEER_WAIT` seconds, then the promotion is
-given up with one line in the log (a standby attached on only some ranks is never made
-primary: it could not serve).
+Off Kubernetes a group is keyed by uid and name (serve/agent.py): every claim and loss names
+the group's `owner` uid, and only leases of that uid count (None in a cluster: the name
+carries the namespace). The coordinator reads the other ranks' leases from their status (one
+request per rank); a rank that does not answer is retried for `PEER_WAIT` seconds, then the
+promotion is given up with one line in the log (a standby attached on only some ranks is
+never made primary: it could not serve).
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ class RankGroup:
             raise ValueError(f"rank {rank} has no socket among the {len(sockets)} rank sockets")
         self.agent, self.sockets, self.rank = agent, sockets, rank
         self._lock = threading.Lock()  # the coordinator decides one claim or loss at a time
-        self._elected: dict[str, tuple[str, float]] = {}  # group -> (engine, when), until its leases show
+        # (owner, group) -> (engine, when), until its leases show
+        self._elected: dict[tuple[int | None, str], tuple[str, float]] = {}
 
     @property
     def coordinator(self) -> bool:
@@ -64,29 +67,31 @@ class RankGroup:
 
     # -- any rank ----------------------------------------------------------------------------
 
-    def claim(self, group: str, engine: str) -> str:
+    def claim(self, group: str, engine: str, owner: int | None = None) -> str:
         """The role an `auto` lease of `engine` in `group` gets; WeightCacheError when rank 0 does not answer."""
         if self.coordinator:
-            return self.decide_claim(group, engine)
-        reply = protocol.agent_request(self.sockets[0], {"type": "group_claim", "group": group, "engine": engine},
-                                       REQUEST_TIMEOUT)
+            return self.decide_claim(group, engine, owner)
+        reply = protocol.agent_request(self.sockets[0], {"type": "group_claim", "group": group, "engine": engine,
+                                                         "owner": owner}, REQUEST_TIMEOUT)
         role = reply.get("role")
         if role not in ("primary", "standby"):
             raise WeightCacheError(f"rank 0's agent answered a claim with {str(role)[:32]!r}")
         return role
 
-    def lost(self, group: str, engine: str) -> None:
+    def lost(self, group: str, engine: str, owner: int | None = None) -> None:
         """The primary engine's lease on this rank ended: have rank 0 promote the group (on a thread)."""
-        threading.Thread(target=self._report_lost, args=(group, engine), name="group-lost", daemon=True).start()
+        threading.Thread(target=self._report_lost, args=(group, engine, owner), name="group-lost",
+                         daemon=True).start()
 
-    def _report_lost(self, group: str, engine: str) -> None:
+    def _report_lost(self, group: str, engine: str, owner: int | None) -> None:
         if self.coordinator:
-            self.decide_lost(group, engine)
+            self.decide_lost(group, engine, owner)
             return
         deadline = time.monotonic() + ELECTION_GRACE
         while True:
             try:
-                protocol.agent_request(self.sockets[0], {"type": "group_lost", "group": group, "engine": engine},
+                protocol.agent_request(self.sockets[0], {"type": "group_lost", "group": group, "engine": engine,
+                                                         "owner": owner},
                                        REQUEST_TIMEOUT + PEER_WAIT * len(self.sockets))
                 return
             except WeightCacheError as e:
@@ -98,25 +103,25 @@ class RankGroup:
 
     # -- the coordinator (rank 0) ------------------------------------------------------------
 
-    def decide_claim(self, group: str, engine: str) -> str:
+    def decide_claim(self, group: str, engine: str, owner: int | None = None) -> str:
         with self._lock:
-            current = self._primary_engine(group, self._leases_by_rank())
+            current = self._primary_engine(group, owner, self._leases_by_rank())
             if current is None:
-                self._elected[group] = (engine, time.monotonic())
+                self._elected[owner, group] = (engine, time.monotonic())
                 return "primary"
             return "primary" if current == engine else "standby"
 
-    def decide_lost(self, group: str, engine: str) -> dict[str, Any] | None:
+    def decide_lost(self, group: str, engine: str, owner: int | None = None) -> dict[str, Any] | None:
         """Promote the group's next engine on every rank, unless one already is primary; what was done."""
         started = time.perf_counter()
         with self._lock:
             ranks = self._leases_by_rank()
             primaries = {lease.get("engine") for leases in ranks for lease in leases
-                         if lease.get("group") == group and lease.get("role") in PRIMARY_ROLES} - {engine, None}
+                         if _member(lease, group, owner) and lease.get("role") in PRIMARY_ROLES} - {engine, None}
             if primaries:
                 return None  # another engine is primary already (a report of a loss handled before)
-            self._elected.pop(group, None)
-            successor = self._complete_standby(group, ranks)
+            self._elected.pop((owner, group), None)
+            successor = self._complete_standby(group, owner, ranks)
             if successor is None:
                 log.warning("group %s lost its primary engine %s; no standby engine is attached on all %d ranks: "
                             "none promoted", group, engine, len(self.sockets))
@@ -124,14 +129,15 @@ class RankGroup:
             replies = []
             for rank in reversed(range(len(self.sockets))):  # rank 0 last: its promotion moves the label
                 if rank == self.rank:
-                    reply = self.agent.switch(group, to_engine=successor)
+                    reply = self.agent.switch(group, to_engine=successor, owner=owner)
                 else:
                     try:
-                        reply = switch_rank(self.sockets[rank], group, to_engine=successor, timeout=REQUEST_TIMEOUT)
+                        reply = switch_rank(self.sockets[rank], group, to_engine=successor, timeout=REQUEST_TIMEOUT,
+                                            owner=owner)
                     except WeightCacheError as e:
                         reply = {"ok": False, "message": str(e)}
                 replies.append({"rank": rank, "ok": bool(reply.get("ok")), "message": reply.get("message")})
-            self._elected[group] = (successor, time.monotonic())
+            self._elected[owner, group] = (successor, time.monotonic())
         seconds = time.perf_counter() - started
         failed = [r for r in replies if not r["ok"]]
         done = {"group": group, "from": engine, "to": successor, "seconds": seconds, "ok": not failed}
@@ -161,25 +167,30 @@ class RankGroup:
                     time.sleep(0.1)
         return out
 
-    def _primary_engine(self, group: str, ranks: list[list[dict[str, Any]]]) -> str | None:
+    def _primary_engine(self, group: str, owner: int | None, ranks: list[list[dict[str, Any]]]) -> str | None:
         for leases in ranks:
             for lease in leases:
-                if lease.get("group") == group and lease.get("role") in PRIMARY_ROLES and lease.get("engine"):
+                if _member(lease, group, owner) and lease.get("role") in PRIMARY_ROLES and lease.get("engine"):
                     return str(lease["engine"])
-        elected = self._elected.get(group)
+        elected = self._elected.get((owner, group))
         if elected is not None:
             engine, when = elected
             present = any(lease.get("engine") == engine for leases in ranks for lease in leases)
             if present or time.monotonic() - when < ELECTION_GRACE:
                 return engine
-            del self._elected[group]
+            del self._elected[owner, group]
         return None
 
     @staticmethod
-    def _complete_standby(group: str, ranks: list[list[dict[str, Any]]]) -> str | None:
+    def _complete_standby(group: str, owner: int | None, ranks: list[list[dict[str, Any]]]) -> str | None:
         """The oldest standby engine (by its rank-0 attach) with a standby lease on every rank."""
         per_rank = [{lease["engine"]: lease.get("attached_at") or 0.0 for lease in leases
-                     if lease.get("group") == group and lease.get("role") == "standby" and lease.get("engine")}
+                     if _member(lease, group, owner) and lease.get("role") == "standby" and lease.get("engine")}
                     for leases in ranks]
         complete = set(per_rank[0]).intersection(*per_rank[1:])
         return min(complete, key=lambda key: (per_rank[0][key], key)) if complete else None
+
+
+def _member(lease: dict[str, Any], group: str, owner: int | None) -> bool:
+    """A lease (a status document's `clients` entry) of the group `group` of `owner` (None: any uid)."""
+    return lease.get("group") == group and (owner is None or lease.get("uid") == owner)

@@ -24,9 +24,12 @@ from ..usage import parser as usage_parser
 
 
 def switch_rank(socket_path: str, group: str, to_pod: str | None = None, to_pid: int | None = None,
-                timeout: float = 5.0, to_engine: str | None = None) -> dict[str, Any]:
-    """One rank's switchover; the agent's reply (`switched`, or an error document)."""
+                timeout: float = 5.0, to_engine: str | None = None, owner: int | None = None) -> dict[str, Any]:
+    """One rank's switchover; the agent's reply (`switched`, or an error document). `owner`: off
+    Kubernetes, the uid whose group of that name is meant."""
     message: dict[str, Any] = {"type": "switchover", "group": group}
+    if owner is not None:
+        message["owner"] = owner
     if to_pod is not None:
         message["to_pod"] = to_pod
     if to_pid is not None:
