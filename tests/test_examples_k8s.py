@@ -6,9 +6,9 @@ node of its own (`node-examples`, so that its label, ResourceSlice and pods touc
 test) and runs each pod's container command as a local process (the image is never
 pulled), cpu backend. What differs from a GPU cluster, and why each change is unavoidable:
 
-- the claim `qwen2-7b-instruct` of qwen-pvc-tp2.yaml is a PersistentVolume made here, and
-  its content (what the kubelet mounts) is a small synthetic Llama-shaped checkpoint: no
-  7B download in CI;
+- the claim `qwen2-7b-instruct` of qwen-pvc-tp2.yaml (model-pvc.yaml, applied as shipped) is
+  bound to a PersistentVolume made here, and its content (what the kubelet mounts) is a small
+  synthetic Llama-shaped checkpoint: no 7B download in CI;
 - the node's GPUs are published as a DRA driver would, named as the cpu backend's devices
   (`cpu-0`..`cpu-3`), and the agent is given `--replicas 2` (the cpu backend has no GPUs to
   count): two TP=2 replicas, one per serving group of engineset-chat.yaml;
@@ -73,7 +73,7 @@ def example(name: str) -> str:
 
 def test_every_example_and_the_readme_quick_start_have_a_test_here() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == [
-        "engineset-chat.yaml", "engineset-vllm.yaml", "llama-70b-tp8-fp8.yaml", "qwen-pvc-tp2.yaml"]
+        "engineset-chat.yaml", "engineset-vllm.yaml", "llama-70b-tp8-fp8.yaml", "model-pvc.yaml", "qwen-pvc-tp2.yaml"]
     # The README's Kubernetes quick start applies what the serving test below applies, in that order.
     applied = re.findall(r"^kubectl apply -f (\S+)", (REPO / "README.md").read_text(), re.MULTILINE)
     assert applied == ["examples/qwen-pvc-tp2.yaml", "examples/engineset-chat.yaml"]
@@ -162,13 +162,14 @@ def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
         lab.ensure_device_class()
         stack.callback(lab.kubectl, "delete", "resourceslice", lab.publish_gpus(NODE, CPU_DEVICES),
                        "--ignore-not-found", check=False)
+        # The claim as shipped, bound to a volume made for it (what an administrator or a provisioner does).
+        lab.kubectl("apply", "-f", str(EXAMPLES / "model-pvc.yaml"))
         lab.apply({"apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": f"examples-{CLAIM}"},
-                   "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadOnlyMany"],
+                   "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadOnlyMany"],
                             "storageClassName": "", "hostPath": {"path": f"/pvc/{CLAIM}"},
-                            "claimRef": {"namespace": NS, "name": CLAIM}}},
-                  {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": CLAIM, "namespace": NS},
-                   "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
-                            "volumeName": f"examples-{CLAIM}", "resources": {"requests": {"storage": "1Gi"}}}})
+                            "claimRef": {"namespace": NS, "name": CLAIM}}})
+        wait_for(lambda: lab.api.get(f"/api/v1/namespaces/{NS}/persistentvolumeclaims/{CLAIM}")["status"].get(
+            "phase") == "Bound", timeout=60, interval=0.5, what="the shipped claim bound")
         stack.callback(lab.kubectl, "delete", "pv", f"examples-{CLAIM}", "--ignore-not-found", "--wait=false",
                        check=False)
         stack.callback(lab.kubectl, "delete", "pvc", CLAIM, "-n", NS, "--ignore-not-found", "--wait=false",
