@@ -208,8 +208,8 @@ def test_an_unreadable_home_does_not_break_the_import(tmp_path, readable_package
         os.environ.pop(native_build.ENV_DIR, None)
         os.environ["HOME"] = str(home)
         fresh = import_from(str(readable_package))
-        from weightcache_agent.client import rebind  # noqa: F401 -- what an engine's import does: looks for a
-        # build, here in $HOME too
+        # What an engine's import does: looks for a build, here in $HOME too.
+        from weightcache_agent.client import rebind  # noqa: F401
         found_with_home = fresh.find()
         del os.environ["HOME"]
         return {"with_home": str(found_with_home), "without_home": str(fresh.find()),

@@ -15,15 +15,12 @@ import shutil
 import signal
 from typing import Any
 
-import pytest
-
-from abuse_fixtures import no_traceback, serves_correctly
+from abuse_fixtures import disk_tensors, no_traceback, serves_correctly
 from agent_fixtures import wait_for
 from security_fixtures import ATTACKER, agent_dir, needs_root, open_agent
 from weightcache_agent import CacheSpec, attach
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
-from abuse_fixtures import disk_tensors
 
 ENGINE_UID = 54321  # the real engines' uid; no such user needs to exist
 GROUP = "chat"
