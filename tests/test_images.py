@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -66,14 +67,17 @@ def test_operator_image_installs_what_pyproject_says_the_operator_needs():
 
 # The built images.
 
-def buildah_env(tmp: pathlib.Path) -> dict[str, str]:
-    conf = tmp / "containers.conf"
+def buildah(where: pathlib.Path, *argv: object, timeout: float = 300) -> subprocess.CompletedProcess:
+    """buildah on the storage of the build in `where`."""
+    conf = where / "containers.conf"
     conf.write_text("[containers]\ndefault_ulimits = []\n")  # a sandbox may not raise ulimits
-    return dict(os.environ, CONTAINERS_CONF=str(conf))
+    return subprocess.run(["buildah", "--root", where / "storage" / "root", "--runroot", where / "storage" / "run",
+                           *argv], capture_output=True, text=True, env=dict(os.environ, CONTAINERS_CONF=str(conf)),
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> pathlib.Path:
+def built(tmp_path_factory) -> Iterator[pathlib.Path]:
     """The folder of a finished build: out/agent.tar, out/operator.tar, storage/."""
     given = os.environ.get("WEIGHTCACHE_IMAGES")
     if given:
@@ -96,19 +100,21 @@ def built(tmp_path_factory) -> pathlib.Path:
         time.sleep(2)
     log = (where / "build.log").read_text(errors="replace") if (where / "build.log").exists() else ""
     assert (where / "build.rc").read_text().strip() == "0", f"images/build.sh failed:\n{log[-4000:]}"
-    return where
+    yield where
+    if not given:  # gigabytes of layers; .ci/run removes its own folder
+        buildah(where, "rmi", "--all", "--force")
+        shutil.rmtree(where, ignore_errors=True)
 
 
 class Container:
-    """A container of one built image (from its OCI archive), removed afterwards."""
+    """A container of one built image, made from its OCI archive."""
 
-    def __init__(self, built: pathlib.Path, image: str, tmp: pathlib.Path):
-        self.buildah = ["buildah", "--root", str(built / "storage" / "root"), "--runroot", str(built / "storage" / "run")]
-        self.env = buildah_env(tmp)
+    def __init__(self, built: pathlib.Path, image: str):
+        self.built = built
         self.name = self._ok("from", "--quiet", "--pull-never", f"oci-archive:{built / 'out' / f'{image}.tar'}").strip()
 
-    def _ok(self, *argv: str, timeout: float = 300) -> str:
-        done = subprocess.run([*self.buildah, *argv], capture_output=True, text=True, env=self.env, timeout=timeout)
+    def _ok(self, *argv: str) -> str:
+        done = buildah(self.built, *argv)
         assert done.returncode == 0, f"buildah {' '.join(argv[:3])} exited {done.returncode}: {done.stderr[-3000:]}"
         return done.stdout
 
@@ -120,15 +126,15 @@ class Container:
         return json.loads(self._ok("inspect", "--type", "container", self.name))["OCIv1"]["config"]
 
     def remove(self) -> None:
-        subprocess.run([*self.buildah, "rm", self.name], capture_output=True, env=self.env, timeout=120)
+        buildah(self.built, "rm", self.name)
 
 
 @pytest.fixture
-def container(built, tmp_path):
+def container(built):
     made = []
 
     def make(image: str) -> Container:
-        made.append(Container(built, image, tmp_path))
+        made.append(Container(built, image))
         return made[-1]
 
     yield make
