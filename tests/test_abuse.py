@@ -76,9 +76,14 @@ def test_fds_on_every_byte_of_a_trickled_frame_are_not_held(agent, healthy_after
     conns = [raw(agent.socket) for _ in range(32)]
     try:
         for s in conns:  # 64 fds on the first byte: more than a request may carry, all refused
-            socket.send_fds(s, [protocol.MAGIC[:1]], [r] * 64)
-        for s in conns:
-            assert drain(s).startswith(protocol.MAGIC), "no refusal for 64 fds on a frame"
+            try:
+                socket.send_fds(s, [protocol.MAGIC[:1]], [r] * 64)
+            except OSError:  # already dropped: past MAX_PENDING the agent drops the oldest at once
+                pass
+        answers = [drain(s) for s in conns]
+        # each is refused, or was dropped unread as the oldest pending connection (closed, no answer)
+        assert all(a.startswith(protocol.MAGIC) or a == b"" for a in answers), "no refusal for 64 fds on a frame"
+        assert any(answers), "no refusal for 64 fds on a frame"
         conns = [raw(agent.socket) for _ in range(32)]
         for s in conns:  # the allowed count on the first byte, then more on every later byte
             try:
