@@ -375,9 +375,9 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
-def startup_table(runs: dict[str, list[dict]], warm: dict[str, dict], size: int, trials: int) -> tuple[list[str], bool]:
+def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int, trials: int) -> tuple[list[str], bool]:
     texts = [(f"{fmt} {'cold' if i < 0 else i + 1}", r["text"]) for fmt, rs in runs.items()
-             for i, r in [(-1, warm[fmt]), *enumerate(rs)]]
+             for i, r in [(-1, cold[fmt]), *enumerate(rs)]]
     different = [name for name, text in texts if text != runs["auto"][0]["text"]]
     same = not different
     med = {f: median([r["seconds"] for r in rs]) for f, rs in runs.items()}
@@ -402,7 +402,7 @@ def startup_table(runs: dict[str, list[dict]], warm: dict[str, dict], size: int,
         "",
         f"Each start, seconds to first token: default {[round(r['seconds'], 2) for r in runs['auto']]}, weightcache "
         f"{[round(r['seconds'], 2) for r in runs['weightcache']]}; with the compile cache cold: default "
-        f"{warm['auto']['seconds']:.2f} s, weightcache {warm['weightcache']['seconds']:.2f} s.",
+        f"{cold['auto']['seconds']:.2f} s, weightcache {cold['weightcache']['seconds']:.2f} s.",
         f"Greedy completion of {PROMPT!r} (16 tokens), {len(texts)} runs: "
         + (f"the same from both loaders in every run ({runs['auto'][0]['text']!r})." if same else
            f"differs from the first default run's ({runs['auto'][0]['text']!r}) in {', '.join(different)}: "
@@ -419,7 +419,7 @@ def startup_table(runs: dict[str, list[dict]], warm: dict[str, dict], size: int,
 def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: int) -> tuple[list[str], dict]:
     counter = OpenCounter(model)
     runs: dict[str, list[dict]] = {"auto": [], "weightcache": []}
-    warm: dict = {}
+    cold: dict = {}
     order = ["weightcache", "auto"]
     for t in range(trials + 1):  # trial 0: the first engine ever (vLLM's compile cache is cold), not in the medians
         for fmt in order if t % 2 == 0 else order[::-1]:
@@ -439,11 +439,11 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
             if not ok:
                 raise SystemExit(f"{engine.name}: completion failed: {text}")
             if t == 0:
-                warm[fmt] = run
+                cold[fmt] = run
             else:
                 runs[fmt].append(run)
-    lines, same = startup_table(runs, warm, size, trials)
-    return lines, {"runs": runs, "compile_cold": warm, "same": same}
+    lines, same = startup_table(runs, cold, size, trials)
+    return lines, {"runs": runs, "compile_cold": cold, "same": same}
 
 
 def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], dict]:
