@@ -59,7 +59,10 @@ CUDA = torch.cuda.is_available()
 GROUP = "bench"
 PROMPT = [5, 9, 33, 100, 7, 42]  # token ids (the OpenAI API's array form): no tokenizer behaviour in the way
 PACE_S = 0.2
-LOAD_PHASE = re.compile(r"Loading weights took ([\d.]+) seconds|attached from \S+ in ([\d.]+)s")
+# the load phase, the model built: the default loader reading the weights in; weightcache waiting for the agent
+# beyond the build, then attaching (its line's parts)
+LOAD_PHASE = re.compile(r"Loading weights took ([\d.]+) seconds|preparation waited on ([\d.]+)s, attach ([\d.]+)s")
+LOADER_LINE = re.compile(r"attached from \S+ in ([\d.]+)s")  # weightcache's whole load_model
 MODEL_LOADING = re.compile(r"Model loading took .*? and ([\d.]+) seconds")  # vLLM's own figure, either loader
 ATTACHED = re.compile(r"attached from \S+ in [\d.]+s: (.+?) in arena views, (.+?) copied")
 RELEASED = re.compile(r"standby: released its KV cache \(([^,]+),")
@@ -90,6 +93,13 @@ def gpu_used_bytes() -> int:
 def settled_gpu_used(seconds: float = 2.0) -> int:
     time.sleep(seconds)
     return gpu_used_bytes()
+
+
+def llama_shape(layers: int, hidden: int) -> LlamaShape:
+    """A Llama of `layers` layers of width `hidden`: 8B's proportions (GQA 4:1, MLP 43/16 wide)."""
+    return LlamaShape(hidden_size=hidden, intermediate_size=hidden * 43 // 16, num_hidden_layers=layers,
+                      num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512),
+                      vocab_size=32000)
 
 
 def make_checkpoint(directory: str, shape: LlamaShape) -> int:
@@ -247,7 +257,11 @@ class Engine:
 
     def load_phase(self) -> float | None:
         m = LOAD_PHASE.search(self.text())
-        return float(m[1] or m[2]) if m else None
+        return None if not m else float(m[1]) if m[1] else float(m[2]) + float(m[3])
+
+    def loader_line(self) -> float | None:
+        m = LOADER_LINE.search(self.text())
+        return float(m[1]) if m else None
 
     def model_loading(self) -> float | None:
         m = MODEL_LOADING.search(self.text())
@@ -383,13 +397,15 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
     med = {f: median([r["seconds"] for r in rs]) for f, rs in runs.items()}
     phase = {f: median([r["load_phase"] for r in rs if r["load_phase"] is not None]) for f, rs in runs.items()}
     whole = {f: median([r["model_loading"] for r in rs if r.get("model_loading") is not None]) for f, rs in runs.items()}
+    loader_line = median([r["loader_line"] for r in runs["weightcache"] if r.get("loader_line") is not None])
     opens = {f: max(r["opens"] for r in rs) for f, rs in runs.items()}
     copied = {r["copied"] for r in runs["weightcache"]}
     lines = [
         f"{trials} interleaved trials per loader after one of each with vLLM's compile cache cold; fresh processes; "
         f"medians. Checkpoint {size / GIB:.2f} GiB, page cache warm for both loaders.",
         "",
-        "| loader | process start -> first token | load phase (the loader's line) | model loading (vLLM's line) | "
+        "| loader | process start -> first token | load phase (weights into the built model) | model loading "
+        "(vLLM's line) | "
         "checkpoint files opened by any process while the engine started | parameter bytes copied |",
         "| --- | ---: | ---: | ---: | ---: | ---: |",
         f"| vLLM default | {med['auto']:.2f} s | {phase['auto']:.3f} s | {whole['auto']:.3f} s | {opens['auto']} | "
@@ -407,9 +423,11 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
         + (f"the same from both loaders in every run ({runs['auto'][0]['text']!r})." if same else
            f"differs from the first default run's ({runs['auto'][0]['text']!r}) in {', '.join(different)}: "
            + "; ".join(f"{name}: {text!r}" for name, text in texts if name in different) + "."),
-        "The load phase is each loader's own line: vLLM's default times reading the weights (\"Loading weights took\"), "
-        "weightcache its whole load_model, the model's construction included; vLLM's \"Model loading took\" times the "
-        "same span for both, with the model runner's own set-up.",
+        "The load phase is the span in which a built model gets its weights, from each loader's line: vLLM's default "
+        "reading the checkpoint into the parameters (\"Loading weights took\"), weightcache waiting for the agent "
+        "beyond the model's construction and attaching its arena (\"preparation waited on\" + \"attach\"). vLLM's "
+        "\"Model loading took\" times construction, load phase and post-processing for both, with the model "
+        f"runner's own set-up; weightcache's whole load_model took {loader_line:.3f} s (median, its line).",
         bars_line({"same tokens": same, "0 B copied": copied == {"0 B"}, "load phase >= 10x faster":
                    phase["auto"] >= 10 * phase["weightcache"], "engine opens no checkpoint file": opens["weightcache"] == 0}),
     ]
@@ -432,6 +450,7 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
             attached = ATTACHED.search(log_text)
             engine.stop()
             run = {"seconds": seconds, "load_phase": engine.load_phase(), "model_loading": engine.model_loading(),
+                   "loader_line": engine.loader_line(),
                    "opens": opens, "text": text if ok else None,
                    "views": attached[1] if attached else None, "copied": attached[2] if attached else None}
             log(f"{fmt} trial {t}: first token {seconds:.2f}s, load phase {run['load_phase']}, opens {opens}, "
@@ -607,10 +626,8 @@ def main() -> int:
     work = args.dir or tempfile.mkdtemp(prefix="wc-vllm-gpu-")
     model = os.path.join(work, "llama")
     h = args.hidden
-    shape = LlamaShape(hidden_size=h, intermediate_size=h * 43 // 16, num_hidden_layers=args.layers,
-                       num_attention_heads=max(1, h // 128), num_key_value_heads=max(1, h // 512), vocab_size=32000)
     t0 = time.perf_counter()
-    size = make_checkpoint(model, shape)
+    size = make_checkpoint(model, llama_shape(args.layers, h))
     log(f"checkpoint: {size / GIB:.2f} GiB in {time.perf_counter() - t0:.1f}s")
     sock = os.path.join(work, "agent.sock")
     agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu", "--layout", "vllm")

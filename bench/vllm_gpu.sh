@@ -10,6 +10,7 @@
 #                                         beside vLLM (its plugin entry point), runs bench/vllm_gpu.py ARGS
 #   bench/vllm_gpu.sh start [ARGS]        there: the same in the background (setsid), log in $PARTS/run.log;
 #   bench/vllm_gpu.sh wait [SECONDS]      then wait for it (at most SECONDS), copying its tables to $OUT
+#   bench/vllm_gpu.sh profile [ARGS]      there: bench/vllm_load_profile.py ARGS (where model loading's time goes)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PACK=.vllm-gpu
@@ -48,7 +49,8 @@ install() {
     mkdir -p "$SITE"
     cat "$PARTS"/vllm-site.tar.xz.part-* | xz -dc -T0 | tar -C "$SITE" -xf -
   fi
-  export PYTHONPATH="$SITE:$PWD/node_agent:$PWD/operator" PYTHONUNBUFFERED=1
+  # the checkout's code first: the copy installed below only gives vLLM the plugin's entry point
+  export PYTHONPATH="$PWD/node_agent:$PWD/operator:$SITE" PYTHONUNBUFFERED=1
   # FlashInfer is left out (bench/vllm_gpu_requirements.txt): vLLM's sampler then uses its PyTorch path
   export VLLM_USE_FLASHINFER_SAMPLER=0
   # this checkout as an installed distribution, so that vLLM's processes find its plugin entry point
@@ -63,6 +65,7 @@ case "${1:-}" in
   pack) pack ;;
   receive) receive ;;
   run) mkdir -p "$OUT"; install; shift; python3 bench/vllm_gpu.py --out "$OUT" --dir /tmp/wc-vllm-gpu "$@" ;;
+  profile) mkdir -p "$OUT"; install; shift; python3 bench/vllm_load_profile.py --out "$OUT" "$@" ;;
   start)
     mkdir -p "$OUT"; install; shift
     setsid nohup python3 bench/vllm_gpu.py --out "$PARTS/out" --dir /tmp/wc-vllm-gpu "$@" > "$PARTS/run.log" 2>&1 &

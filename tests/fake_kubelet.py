@@ -580,7 +580,11 @@ class FakeKubelet:
                     self._rotate_tokens(run)
                 except Exception as e:  # the API server busy: the next tick tries again
                     self.errors.append(f"token {run.key}: {e}")
-                desired = self._desired(run)
+                try:
+                    desired = self._desired(run)
+                except Exception as e:  # e.g. a restart's token for a pod deleted meanwhile: one pod's
+                    self.errors.append(f"restart {run.key}: {e}")  # trouble must not stop every pod's probes
+                    continue
                 if desired == run.reported:
                     continue
                 try:
