@@ -32,6 +32,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -183,7 +184,8 @@ class Engine:
         if fmt == "weightcache":
             args += ["--load-format", "weightcache", "--model-loader-extra-config",
                      json.dumps({"socket": sock, "fallback": False})]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   **compile_caches(workdir))
         if role:
             env.update(WEIGHTCACHE_ROLE=role, WEIGHTCACHE_GROUP=GROUP)
             if CUDA:
@@ -389,10 +391,19 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def compile_caches(workdir: str) -> dict[str, str]:
+    """The compile caches of vLLM, Inductor and Triton, in the bench's directory: emptied for a cold start."""
+    root = os.path.join(workdir, "compile-cache")
+    return {"VLLM_CACHE_ROOT": os.path.join(root, "vllm"), "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"),
+            "TRITON_CACHE_DIR": os.path.join(root, "triton")}
+
+
 def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int, trials: int) -> tuple[list[str], bool]:
-    texts = [(f"{fmt} {'cold' if i < 0 else i + 1}", r["text"]) for fmt, rs in runs.items()
-             for i, r in [(-1, cold[fmt]), *enumerate(rs)]]
-    different = [name for name, text in texts if text != runs["auto"][0]["text"]]
+    # each loader's tokens against the default's under the same compile state: kernels compiled afresh (cold), or
+    # loaded from the compile cache (every later run)
+    texts = [(f"{fmt} {'cold' if i < 0 else i + 1}", r["text"], cold["auto"]["text"] if i < 0 else runs["auto"][0]["text"])
+             for fmt, rs in runs.items() for i, r in [(-1, cold[fmt]), *enumerate(rs)]]
+    different = [name for name, text, reference in texts if text != reference]
     same = not different
     med = {f: median([r["seconds"] for r in rs]) for f, rs in runs.items()}
     phase = {f: median([r["load_phase"] for r in rs if r["load_phase"] is not None]) for f, rs in runs.items()}
@@ -401,8 +412,8 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
     opens = {f: max(r["opens"] for r in rs) for f, rs in runs.items()}
     copied = {r["copied"] for r in runs["weightcache"]}
     lines = [
-        f"{trials} interleaved trials per loader after one of each with vLLM's compile cache cold; fresh processes; "
-        f"medians. Checkpoint {size / GIB:.2f} GiB, page cache warm for both loaders.",
+        f"{trials} interleaved trials per loader after one of each with the compile caches emptied (vLLM's, "
+        f"Inductor's, Triton's); fresh processes; medians. Checkpoint {size / GIB:.2f} GiB, page cache warm for both loaders.",
         "",
         "| loader | process start -> first token | load phase (weights into the built model) | model loading "
         "(vLLM's line) | "
@@ -417,12 +428,14 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
         f"**{phase['auto'] / phase['weightcache']:.1f}x** | **{whole['auto'] / whole['weightcache']:.1f}x** | | |",
         "",
         f"Each start, seconds to first token: default {[round(r['seconds'], 2) for r in runs['auto']]}, weightcache "
-        f"{[round(r['seconds'], 2) for r in runs['weightcache']]}; with the compile cache cold: default "
+        f"{[round(r['seconds'], 2) for r in runs['weightcache']]}; with the compile caches emptied: default "
         f"{cold['auto']['seconds']:.2f} s, weightcache {cold['weightcache']['seconds']:.2f} s.",
-        f"Greedy completion of {PROMPT!r} (16 tokens), {len(texts)} runs: "
-        + (f"the same from both loaders in every run ({runs['auto'][0]['text']!r})." if same else
-           f"differs from the first default run's ({runs['auto'][0]['text']!r}) in {', '.join(different)}: "
-           + "; ".join(f"{name}: {text!r}" for name, text in texts if name in different) + "."),
+        f"Greedy completion of {PROMPT!r} (16 tokens), {len(texts)} runs, each loader's against the default's with "
+        f"the same compile state: " + ("the same in every run" if same else f"differs in {', '.join(different)}")
+        + f"; kernels compiled afresh: default {cold['auto']['text']!r}, weightcache {cold['weightcache']['text']!r}; "
+        f"from the compile cache: default {runs['auto'][0]['text']!r}"
+        + ("" if same else "; " + "; ".join(f"{name}: {text!r}" for name, text, _ in texts if name in different))
+        + ".",
         "The load phase is the span in which a built model gets its weights, from each loader's line: vLLM's default "
         "reading the checkpoint into the parameters (\"Loading weights took\"), weightcache waiting for the agent "
         "beyond the model's construction and attaching its arena (\"preparation waited on\" + \"attach\"). vLLM's "
@@ -439,8 +452,11 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
     runs: dict[str, list[dict]] = {"auto": [], "weightcache": []}
     cold: dict = {}
     order = ["weightcache", "auto"]
-    for t in range(trials + 1):  # trial 0: the first engine ever (vLLM's compile cache is cold), not in the medians
+    # trial 0: each loader's engine with the compile caches emptied first (it compiles every kernel), not in the medians
+    for t in range(trials + 1):
         for fmt in order if t % 2 == 0 else order[::-1]:
+            if t == 0:
+                shutil.rmtree(os.path.dirname(compile_caches(work)["VLLM_CACHE_ROOT"]), ignore_errors=True)
             counter.take()
             engine = Engine(f"start-{fmt}-{t}", model, work, fmt, sock, kv)
             seconds = engine.first_token()

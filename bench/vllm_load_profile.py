@@ -136,8 +136,8 @@ def run_cases(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, __file__, "--child", case, "--model", args.model, "--socket",
                                args.socket, "--top", str(args.top)], capture_output=True, text=True)
-        lines = [line for line in proc.stderr.splitlines()
-                 if any(k in line for k in ("took", "weightcache:", "Error", "error"))]
+        lines = [line for line in (proc.stdout + proc.stderr).splitlines()
+                 if any(k in line for k in ("took", "attached from", "Error"))]
         print(f"--- {case}: exit {proc.returncode}, process {time.perf_counter() - t0:.1f} s")
         print("\n".join(lines[-12:]))
         print(proc.stdout[-12000:])
