@@ -7,9 +7,10 @@ One agent (`weightcache agent --layout vllm`, the cuda backend) holds a syntheti
 parent's clock:
   1. tokens: the same prompt, greedy, from vLLM's default loader and from the cache; the
      loader's own line says how many parameter bytes are arena views and how many were copied;
-  2. start-up: process start -> first completion token, both loaders interleaved, with the load
-     phase from each engine's log ("Loading weights took" / "attached ... in") and every open of
-     a checkpoint file by any process while the engine starts (inotify);
+  2. start-up: process start -> first completion token, both loaders interleaved (each one's
+     first start with the compile caches emptied), with the load phase from each engine's log (the
+     default's "Loading weights took"; weightcache's wait and attach once the model is built) and
+     every open of a checkpoint file by any process while the engine starts (inotify);
   3. memory: a primary and a standby (`--enable-sleep-mode`, same GPU, same group): the GPU
      memory each adds on top of the agent's arena (the device's used memory before and after
      it starts), the standby's once it has released its KV cache;
@@ -413,7 +414,8 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
     copied = {r["copied"] for r in runs["weightcache"]}
     lines = [
         f"{trials} interleaved trials per loader after one of each with the compile caches emptied (vLLM's, "
-        f"Inductor's, Triton's); fresh processes; medians. Checkpoint {size / GIB:.2f} GiB, page cache warm for both loaders.",
+        f"Inductor's, Triton's); fresh processes; medians. Checkpoint {size / GIB:.2f} GiB, page cache warm for "
+        "both loaders.",
         "",
         "| loader | process start -> first token | load phase (weights into the built model) | model loading "
         "(vLLM's line) | "
@@ -430,7 +432,8 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
         f"Each start, seconds to first token: default {[round(r['seconds'], 2) for r in runs['auto']]}, weightcache "
         f"{[round(r['seconds'], 2) for r in runs['weightcache']]}; with the compile caches emptied: default "
         f"{cold['auto']['seconds']:.2f} s, weightcache {cold['weightcache']['seconds']:.2f} s.",
-        f"Greedy completion of {PROMPT!r} (16 tokens) from the compiled kernels in the compile cache, {len(warm)} runs: "
+        f"Greedy completion of {PROMPT!r} (16 tokens) from the compiled kernels in the compile cache, {len(warm)} "
+        "runs: "
         + (f"the same from both loaders in every run ({reference!r})." if same else
            f"differs from the first default run's ({reference!r}) in " + "; ".join(
                f"{name}: {text!r}" for name, text in warm if name in different) + ".")
