@@ -58,6 +58,7 @@ from weightcache_agent.errors import WeightCacheError  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, write_word_tokenizer  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+LAYERS, HIDDEN = (24, 4096) if CUDA else (2, 256)  # an 8.41 GiB Llama on a GPU; a tiny one on CPU
 GROUP = "bench"
 PROMPT = [5, 9, 33, 100, 7, 42]  # token ids (the OpenAI API's array form): no tokenizer behaviour in the way
 PACE_S = 0.2
@@ -628,8 +629,8 @@ def failover_phase(model: str, work: str, sock: str, kv: int, trials: int, batch
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--layers", type=int, default=24 if CUDA else 2)
-    p.add_argument("--hidden", type=int, default=4096 if CUDA else 256)
+    p.add_argument("--layers", type=int, default=LAYERS)
+    p.add_argument("--hidden", type=int, default=HIDDEN)
     p.add_argument("--startup-trials", type=int, default=3)
     p.add_argument("--failovers", type=int, default=20)
     p.add_argument("--batch", type=int, default=5, help="standbys starting at once (default 5)")

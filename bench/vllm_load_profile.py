@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import glob
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 GIB = 1 << 30
 
 
@@ -48,7 +50,7 @@ def child(case: str, model: str, sock: str, top: int) -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    import importlib
+    from vllm_gpu import PROMPT
 
     runners = []
     for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
@@ -85,7 +87,7 @@ def child(case: str, model: str, sock: str, top: int) -> None:
         kwargs = {"load_format": "weightcache", "model_loader_extra_config": {"socket": sock, "fallback": False}}
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, max_model_len=1024, max_num_seqs=4,
               kv_cache_memory_bytes=GIB, gpu_memory_utilization=0.05, seed=0, **kwargs)
-    text = llm.generate([{"prompt_token_ids": [5, 9, 33, 100, 7, 42]}],
+    text = llm.generate([{"prompt_token_ids": PROMPT}],
                         SamplingParams(max_tokens=8, temperature=0))[0].outputs[0].text
     seconds, table = spans[0]
     print(f"=== {case}: load_model {seconds:.3f} s (profiled), {torch.cuda.memory_allocated() / GIB:.2f} GiB "
@@ -96,8 +98,8 @@ def child(case: str, model: str, sock: str, top: int) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dir", default="/tmp/wc-vllm-gpu")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--hidden", type=int, default=None)
+    p.add_argument("--layers", type=int, default=None, help="default: bench/vllm_gpu.py's")
+    p.add_argument("--hidden", type=int, default=None, help="default: bench/vllm_gpu.py's")
     p.add_argument("--model", default=None, help=argparse.SUPPRESS)
     p.add_argument("--socket", default="", help=argparse.SUPPRESS)
     p.add_argument("--cases", default="weightcache,auto,auto-cold")
@@ -108,19 +110,16 @@ def main() -> int:
     if args.child:
         child(args.child, args.model, args.socket, args.top)
         return 0
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import torch
     import vllm_gpu
     from agent_process import AgentProcess
 
-    cuda = torch.cuda.is_available()
-    layers, hidden = args.layers or (24 if cuda else 2), args.hidden or (4096 if cuda else 256)
+    layers, hidden = args.layers or vllm_gpu.LAYERS, args.hidden or vllm_gpu.HIDDEN
     args.model = os.path.join(args.dir, "llama")
     if not os.path.exists(os.path.join(args.model, "config.json")):
         size = vllm_gpu.make_checkpoint(args.model, vllm_gpu.llama_shape(layers, hidden))
         print(f"checkpoint: {size / GIB:.2f} GiB")
     args.socket = os.path.join(args.dir, "profile.sock")
-    agent = AgentProcess(args.model, args.socket, "cuda" if cuda else "cpu", "--layout", "vllm")
+    agent = AgentProcess(args.model, args.socket, "cuda" if vllm_gpu.CUDA else "cpu", "--layout", "vllm")
     agent.ready()
     try:
         return run_cases(args)
@@ -140,7 +139,7 @@ def run_cases(args: argparse.Namespace) -> int:
                  if any(k in line for k in ("took", "attached from", "Error"))]
         print(f"--- {case}: exit {proc.returncode}, process {time.perf_counter() - t0:.1f} s")
         print("\n".join(lines[-12:]))
-        print(proc.stdout[-12000:])
+        print(proc.stdout[proc.stdout.rfind("=== "):][-12000:])  # the child's own report: its span, the profile
         results[case] = {"exit": proc.returncode, "lines": lines, "stdout": proc.stdout, "stderr": proc.stderr[-20000:]}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
