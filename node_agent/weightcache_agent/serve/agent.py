@@ -1606,14 +1606,37 @@ class Sampled:
             self._reading.release()
 
 
-def remove_socket_files(socket_path: str) -> None:
-    """What a killed agent leaves behind: its socket and lock file. The state file stays on purpose:
-    it tells the next agent that engines may still hold the arena."""
-    for path in (socket_path, sidecar_path(socket_path, "lock")):
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+def remove_socket_files(socket_path: str) -> bool:
+    """What a killed agent leaves behind: its socket and lock file -- removed only while nobody
+    serves the path. Another agent's live socket is never touched: when its lock is held, or
+    something still accepts connections there (its lock file was removed), nothing is removed
+    and False is returned. The state file stays on purpose: it tells the next agent that
+    engines may still hold the arena."""
+    lock_path = sidecar_path(socket_path, "lock")
+    try:
+        lock_fd: int | None = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        lock_fd = None
+    except OSError:
+        return False  # a link or something else not an agent's lock file: not ours to remove
+    try:
+        if lock_fd is not None:
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # a live agent holds the path
+        if os.path.lexists(socket_path) and _answers(socket_path):
+            return False
+        # Holding the lock: an agent starting this instant is told the path is served and retries.
+        for path in (socket_path, lock_path):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        return True
+    finally:
+        if lock_fd is not None:
+            os.close(lock_fd)
 
 
 def _refuse_fds(kind: str, fds: list[int]) -> None:

@@ -120,10 +120,11 @@ class NodeConfig:
                 "--pod-identity", self.pod_identity, "--identity-audience", self.identity_audience]
         if device.backend == "cuda":
             argv += ["--device", device.uuid]
+        # Free-form values as one "--flag=VALUE" token: a worker never reads a value as a flag.
         if self.revision:
-            argv += ["--revision", self.revision]
+            argv.append(f"--revision={self.revision}")
         if self.sharding:
-            argv += ["--sharding", self.sharding]
+            argv.append(f"--sharding={self.sharding}")
         if self.expert_parallel:
             argv.append("--expert-parallel")
         if self.layout != "file":
@@ -216,6 +217,10 @@ class Worker:
         self.failures = 0  # consecutive exit-1 failures, for the retry delay
         self.next_start: float | None = 0.0  # monotonic time of the next spawn; None: never
         self._seen_attaches = 0
+        # Whether a process of ours was seen serving the socket (its status carried our child's
+        # pid). A worker that lost the path to another agent (exit 3) bound nothing, and what
+        # that agent bound is not ours to remove.
+        self.bound = False
 
     # -- process -----------------------------------------------------------------------------
 
@@ -265,6 +270,8 @@ class Worker:
                 self.phase, self.message = "Unresponsive", f"worker stopped answering on its socket: {e}"
             return
         self.last_answer = now
+        if status.get("pid") == self.proc.pid:
+            self.bound = True
         self._observe_attaches(status)
         self.status = status
         self.phase = _WORKER_PHASES.get(str(status.get("phase")), "Pending")
@@ -333,8 +340,11 @@ class Worker:
         self.proc, self.forwarder = None, None
 
     def remove_socket(self) -> None:
-        # A clean worker removes its own socket; a killed one leaves it and its lock file.
-        remove_socket_files(self.socket)
+        # A clean worker removes its own socket; a killed one leaves it and its lock file. Only what
+        # our worker bound is removed, and even then not while another agent holds or serves the path.
+        if self.bound:
+            remove_socket_files(self.socket)
+            self.bound = False
 
     # -- reporting ---------------------------------------------------------------------------
 

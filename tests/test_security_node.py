@@ -1,0 +1,145 @@
+"""The node supervisor against a neighbour and an absent token, as an attacker would try it.
+
+Real supervisors (`weightcache agent --socket-dir ...`) in subprocesses, real sockets, real HTTP:
+
+- a second node agent pointed at a socket directory another agent serves must, when it stops,
+  leave that agent's socket and lock file alone (its own worker never bound them);
+- a socket directory the kubelet made 0755 is narrowed to 0750;
+- `/status` without a usable control token shows no lease holders (fails closed).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+import pytest
+
+from weightcache_agent import agent_status
+from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+
+SHAPE = LlamaShape(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256)
+
+
+class Node:
+    """`weightcache agent --socket-dir ...` (tp 1, cpu) as a subprocess, asked over HTTP."""
+
+    def __init__(self, model: str, socket_dir: str, workdir: str, *extra: str):
+        self.socket_dir = socket_dir
+        self.port_file = os.path.join(workdir, "port")
+        self.log_path = os.path.join(workdir, "node.log")
+        os.makedirs(workdir, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket-dir", socket_dir,
+                 "--tp-size", "1", "--devices", "all", "--backend", "cpu", "--http-host", "127.0.0.1",
+                 "--http-port", "0", "--port-file", self.port_file, "--node-name", "node-a", *extra],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+        self._port: int | None = None
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def port(self) -> int:
+        deadline = time.monotonic() + 60
+        while self._port is None:
+            try:
+                with open(self.port_file) as f:
+                    self._port = int(f.read())
+            except (FileNotFoundError, ValueError):
+                assert self.proc.poll() is None, f"supervisor exited {self.proc.returncode}:\n{self.log()}"
+                assert time.monotonic() < deadline, f"supervisor never listened:\n{self.log()}"
+                time.sleep(0.05)
+        return self._port
+
+    def get(self, path: str, headers: dict[str, str] | None = None) -> tuple[int, str]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            conn.request("GET", path, headers=headers or {})
+            response = conn.getresponse()
+            return response.status, response.read().decode()
+        finally:
+            conn.close()
+
+    def status(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        code, body = self.get("/status", headers)
+        assert code == 200, body
+        return json.loads(body)
+
+    def wait(self, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float = 90) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, f"supervisor exited {self.proc.returncode}:\n{self.log()}"
+            status = self.status()
+            if predicate(status):
+                return status
+            assert time.monotonic() < deadline, f"no {what} after {timeout:.0f}s: {status}\n{self.log()}"
+            time.sleep(0.1)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    path = tempfile.mkdtemp(prefix="wc-snode-", dir="/tmp")  # short: socket paths are limited to 107 bytes
+    os.chmod(path, 0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def model(workdir) -> str:
+    return write_llama_checkpoint(os.path.join(workdir, "model"), SHAPE)
+
+
+def test_stopping_a_colliding_node_agent_leaves_the_serving_agents_socket(model, workdir):
+    """Two caches' agents on one socket directory: the second's worker finds the path served and
+    exits 3. Stopping the second supervisor must not remove the first's live socket or lock file
+    (which would let the second, restarted, bind the path and serve the first's engines)."""
+    sockets = os.path.join(workdir, "shared-sockets")
+    victim = Node(model, sockets, os.path.join(workdir, "victim"))
+    attacker = None
+    try:
+        ready = victim.wait(lambda s: s["phase"] == "Ready", "Ready victim")
+        sock = ready["ranks"][0]["socket"]
+        lock = os.path.join(sockets, "." + os.path.basename(sock) + ".lock")
+        assert os.path.exists(lock), os.listdir(sockets)
+        served_by = agent_status(sock)["pid"]
+
+        attacker = Node(model, sockets, os.path.join(workdir, "attacker"))
+        deadline = time.monotonic() + 60
+        while "another agent is already serving" not in attacker.log():
+            assert time.monotonic() < deadline, attacker.log()
+            assert attacker.proc.poll() is None, attacker.log()
+            time.sleep(0.1)
+        assert attacker.stop() == 0, attacker.log()
+
+        assert stat.S_ISSOCK(os.lstat(sock).st_mode), "the serving agent's socket was removed"
+        assert os.path.exists(lock), "the serving agent's lock file was removed"
+        assert agent_status(sock)["pid"] == served_by
+        assert victim.status()["phase"] == "Ready"
+    finally:
+        if attacker is not None:
+            attacker.stop()
+        assert victim.stop() == 0
+    # The victim's own stop still cleans up what it bound.
+    assert not os.path.lexists(os.path.join(sockets, "cpu-0.sock")), os.listdir(sockets)
