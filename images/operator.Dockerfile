@@ -16,7 +16,7 @@ COPY operator /src/operator
 # the `operator` extra's packages and pyyaml (tests/test_images.py checks these agree with pyproject.toml).
 RUN python3 -m venv /opt/weightcache \
  && pip install --no-deps /src \
- && pip install "kopf>=1.37,<2" "kubernetes>=30" "pyyaml>=6" \
+ && pip install "kopf>=1.37,<1.46" "kubernetes>=30,<38" "pyyaml>=6" \
  && rm -rf /src
 # The chart runs it as this non-root user with a read-only root filesystem.
 USER 65532:65532

@@ -1,0 +1,91 @@
+"""What the package declares, read as a user's pip and pytest read it: every extra admits only the
+releases docs/compatibility.md says were run, and the suite's pytest configuration starts clean."""
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+EXTRAS = PYPROJECT["project"]["optional-dependencies"]
+USER_EXTRAS = ("operator", "cuda", "transformers", "vllm")  # `test` is the suite's own, for a clone
+
+
+def compatibility_extras() -> dict[str, tuple[list[str], str]]:
+    """docs/compatibility.md's "Extras" table: extra -> (its requirements, what was tested)."""
+    section = (ROOT / "docs" / "compatibility.md").read_text().split("\n## Extras\n", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = (re.findall(r"`([^`]+)`", cells[1]), cells[2])
+    return rows
+
+
+def next_release(version: str) -> Version:
+    """The release after `version` at its own precision: 1.45 -> 1.46, 37 -> 38."""
+    parts = [int(p) for p in version.split(".")]
+    parts[-1] += 1
+    return Version(".".join(map(str, parts)))
+
+
+def test_the_compatibility_table_lists_every_extra_as_pyproject_declares_it():
+    table = compatibility_extras()
+    assert sorted(table) == sorted(USER_EXTRAS) == sorted(set(EXTRAS) - {"test"})
+    for extra in USER_EXTRAS:
+        assert table[extra][0] == EXTRAS[extra], (extra, table[extra][0], EXTRAS[extra])
+
+
+@pytest.mark.parametrize("extra", USER_EXTRAS)
+def test_every_extra_admits_what_was_tested_and_not_the_next_release(extra):
+    requirements, tested = compatibility_extras()[extra]
+    for text in requirements:
+        req = Requirement(text)
+        assert any(s.operator in ("<", "<=", "==", "~=") for s in req.specifier), f"{text}: no upper bound"
+        found = re.search(rf"{re.escape(req.name)} (\d+(?:\.\d+)*)", tested, re.IGNORECASE)
+        assert found, f"docs/compatibility.md names no tested {req.name} release: {tested!r}"
+        version = found.group(1)
+        assert req.specifier.contains(version), (text, version)
+        assert not req.specifier.contains(next_release(version)), f"{text} admits {next_release(version)}, never run"
+
+
+def test_the_test_extra_installs_the_releases_users_get():
+    """CI installs the test extra: where it names a package an extra names, it asks for the same releases,
+    so that what CI runs is what a user's extra admits."""
+    user = {Requirement(r).name: Requirement(r).specifier for extra in USER_EXTRAS for r in EXTRAS[extra]}
+    for text in EXTRAS["test"]:
+        req = Requirement(text)
+        if req.name in user:
+            assert req.specifier == user[req.name], (text, user[req.name])
+
+
+@pytest.mark.parametrize("name", ["kopf", "kubernetes", "transformers"])
+def test_the_installed_release_is_the_one_the_table_names(name):
+    """Here (CI installs the operator and test extras) the releases that run are the ones the table says were run."""
+    try:
+        installed = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{name} is not installed here")
+    tested = next(t for reqs, t in compatibility_extras().values() for r in reqs if Requirement(r).name == name)
+    version = re.search(rf"{name} (\d+(?:\.\d+)*)", tested).group(1)
+    assert Version(installed).release[:len(version.split("."))] == Version(version).release, (name, installed, tested)
+
+
+def test_a_pytest_run_starts_without_a_configuration_warning(tmp_path):
+    """pytest-asyncio warns on every run where the fixture loop scope is unset; pyproject sets it."""
+    assert PYPROJECT["tool"]["pytest"]["ini_options"]["asyncio_default_fixture_loop_scope"] == "function"
+    test = tmp_path / "test_one.py"
+    test.write_text("def test_one():\n    pass\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", ROOT / "pyproject.toml",
+                           "--rootdir", tmp_path, "-W", "error::pytest.PytestDeprecationWarning", test],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "Warning" not in done.stdout + done.stderr, done.stdout
