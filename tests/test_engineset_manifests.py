@@ -110,7 +110,7 @@ def test_dra_pod_carries_the_contract() -> None:
     for c in (engine, sidecar):
         assert c["resources"]["claims"] == [{"name": "weightcache-gpus"}]
         env = env_of(c)
-        assert env["WEIGHTCACHE_SOCKET_DIR"] == "/run/weightcache/ml.qwen.27a2e89b93"
+        assert env["WEIGHTCACHE_SOCKET_DIR"] == "/run/weightcache/ml.qwen.e6rorg4tt5ntlnrxgqawn5k3"
         assert env["WEIGHTCACHE_DEVICES"] == "GPU-a2,GPU-a3"
         assert env["WEIGHTCACHE_GROUP"] == "ml/chat-1"
         assert env["WEIGHTCACHE_ROLE"] == "auto"  # the template's "primary" is replaced: the agent decides
@@ -119,7 +119,7 @@ def test_dra_pod_carries_the_contract() -> None:
         assert env["WEIGHTCACHE_POD_UID"] == {"fieldRef": {"fieldPath": "metadata.uid"}}
         assert "NVIDIA_VISIBLE_DEVICES" not in env
         # read-only: the engine connects, and cannot replace the socket, lock or state files
-        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml.qwen.27a2e89b93",
+        assert {"name": "weightcache-sockets", "mountPath": "/run/weightcache/ml.qwen.e6rorg4tt5ntlnrxgqawn5k3",
                 "readOnly": True} in c["volumeMounts"]
         assert {"name": "weightcache-models", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
         assert {"name": "weightcache-identity", "mountPath": "/var/run/secrets/weightcache.io",
@@ -131,7 +131,7 @@ def test_dra_pod_carries_the_contract() -> None:
                                    "claims": [{"name": "weightcache-gpus"}]}
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["cache"] == {"name": "cache", "emptyDir": {}}
-    assert volumes["weightcache-sockets"]["hostPath"] == {"path": "/run/weightcache/ml.qwen.27a2e89b93", "type": "Directory"}
+    assert volumes["weightcache-sockets"]["hostPath"] == {"path": "/run/weightcache/ml.qwen.e6rorg4tt5ntlnrxgqawn5k3", "type": "Directory"}
     assert volumes["weightcache-models"]["hostPath"] == {"path": "/models", "type": "Directory"}
     # the pod's proof of identity for the agent: bound to the pod, for weightcache's audience only
     assert volumes["weightcache-identity"]["projected"] == {"sources": [{"serviceAccountToken": {

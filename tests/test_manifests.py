@@ -84,21 +84,22 @@ def test_agent_command_line_contract() -> None:
     assert container(ds)["args"] == [
         "agent",
         "--model", "/models/meta-llama/Llama-3.1-70B-Instruct",
-        "--socket-dir", "/run/weightcache/ml.llama.94fdbd1837",
+        "--socket-dir", "/run/weightcache/ml.llama.st632gbxo2i5h6kdqs66qpid",
+        "--cache=ml/llama",
         "--tp-size", "8",
         "--devices", "all",
         "--quantization", "fp8-block",
         "--dtype", "bfloat16",
         "--backend", "auto",
         "--http-port", "9464",
-        "--revision", "main",
+        "--revision=main",
         "--sharding", "llama",
     ]
     args = agent_args(parse_spec(RULES_SPEC), "ml", "qwen")
     assert args[args.index("--model") + 1] == "/models"
     assert args[args.index("--sharding") + 1] == "/etc/weightcache/sharding.yaml"
     assert args[-1] == "--expert-parallel"
-    assert "--revision" not in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x")
+    assert not any(a.startswith("--revision") for a in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x"))
     assert "--layout" not in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x")
     vllm = agent_args(parse_spec({"model": {"path": "m"}, "layout": "vllm"}), "ml", "x")
     assert vllm[vllm.index("--layout") + 1] == "vllm"
@@ -120,10 +121,10 @@ def test_daemonset_runs_privileged_agents_on_every_gpu_node() -> None:
     assert ps["automountServiceAccountToken"] is True
     assert "hostNetwork" not in ps and "hostPID" not in ps and "hostIPC" not in ps
     volumes = {v["name"]: v for v in ps["volumes"]}
-    assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml.llama.94fdbd1837", "type": "DirectoryOrCreate"}
+    assert volumes["sockets"]["hostPath"] == {"path": "/run/weightcache/ml.llama.st632gbxo2i5h6kdqs66qpid", "type": "DirectoryOrCreate"}
     assert volumes["models"]["hostPath"] == {"path": "/models", "type": "Directory"}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
-    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml.llama.94fdbd1837"
+    assert mounts["sockets"]["mountPath"] == "/run/weightcache/ml.llama.st632gbxo2i5h6kdqs66qpid"
     assert mounts["models"]["readOnly"] is True and mounts["models"]["mountPath"] == "/models"
     assert ds["spec"]["selector"]["matchLabels"] == {
         "app.kubernetes.io/name": "weightcache-agent", "weightcache.io/cache": "llama"}
@@ -273,7 +274,7 @@ def test_config_from_env_matches_chart_names() -> None:
 def test_socket_paths_fit_a_unix_socket_address_whatever_the_names() -> None:
     longest = socket_dir("n" * 63, "x" * 253)  # the longest namespace and object name Kubernetes allows
     assert len(f"{longest}/GPU-{'0' * 8}-{'0' * 4}-{'0' * 4}-{'0' * 4}-{'0' * 12}.sock") <= 107
-    assert longest.startswith("/run/weightcache/nnnnnnnnnnnn.xxxxxxxxxxxxxxxx.")
+    assert longest.startswith("/run/weightcache/nnnnnnnn.xxxxxxxxxx.")
     # Cut names alike, caches apart: the hash of the full pair tells them apart.
     assert socket_dir("team", "llama-3-70b-instruct-a") != socket_dir("team", "llama-3-70b-instruct-b")
     assert socket_dir("a.b", "c") != socket_dir("a", "b.c")

@@ -87,7 +87,7 @@ class CacheSpec:
         if self.expert_parallel:
             args.append("--expert-parallel")
         if self.revision:
-            args += ["--revision", self.revision]
+            args.append(f"--revision={self.revision}")  # one token: never read as a flag
         if self.layout != "file":
             args += ["--layout", self.layout]
         return args

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="enables POST /switchover for holders of this bearer token (default: "
                            "$WEIGHTCACHE_CONTROL_TOKEN_FILE; without one, switchover is only on the sockets)")
     node.add_argument("--node-name", help="name in the published state (default: $NODE_NAME or the hostname)")
+    node.add_argument("--cache", help="NAMESPACE/NAME[/UID] of the WeightCache served (the operator passes it): "
+                                      "recorded in the socket directory, and an agent of another cache that finds "
+                                      "the directory recorded as not its own refuses to serve")
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default=None, help="GPU ordinal (0, or cuda:0) or UUID (cuda backend; default: 0)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",

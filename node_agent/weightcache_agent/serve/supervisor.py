@@ -614,6 +614,15 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         policy = SocketPolicy.from_group(args.socket_group)
         prepare_dir(socket_dir, policy)
+        if args.cache:
+            # Before any worker binds: an agent of another cache in this directory serves nobody.
+            from .cache_claim import CacheIdentity, claim_socket_dir
+
+            try:
+                identity = CacheIdentity.parse(args.cache)
+            except ValueError as e:
+                parser.error(str(e))
+            claim_socket_dir(socket_dir, identity)
     except AccessError as e:
         print(f"weightcache agent: {e}", file=sys.stderr)
         return 1

@@ -30,6 +30,9 @@ MODES = ("column", "row", "vocab", "replicated")
 
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 _PRESET = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+# A revision reaches the agent's command line: never a leading '-' (it would be read as one
+# of the agent's flags), no spaces or control characters. The CRD's CEL rule is the same.
+_REVISION = re.compile(r"^[A-Za-z0-9_.+/:@=][A-Za-z0-9_.+/:@=-]*$")
 
 
 class SpecError(ValueError):
@@ -136,6 +139,9 @@ def _model(spec: Mapping[str, Any]) -> tuple[str | None, str | None, str | None]
             raise SpecError("InvalidModelSource", f"model.pvc {pvc!r} is not a valid claim name")
     if revision is not None and (not isinstance(revision, str) or len(revision) > 128):
         raise SpecError("InvalidSpec", "model.revision must be a string of at most 128 characters")
+    if revision and not _REVISION.fullmatch(revision):
+        raise SpecError("InvalidSpec", f"model.revision {revision!r} may hold only letters, digits and . _ + / : @ = - "
+                                       "and must not start with '-' (the agent would read it as one of its own flags)")
     return path, pvc, (revision or None)
 
 

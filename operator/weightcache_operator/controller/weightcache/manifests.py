@@ -23,6 +23,7 @@ Owner references are added by the reconcile (they need the live owner's uid).
 """
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 from typing import Any
@@ -82,22 +83,41 @@ class SocketPathTooLong(ValueError):
     """A socket directory whose sockets would not fit an AF_UNIX address."""
 
 
+# The directory's readable part (for people on the host): the namespace and the name cut to these.
+SOCKET_DIR_NS_CHARS = 8
+SOCKET_DIR_NAME_CHARS = 10
+# What keeps two caches apart: base32 characters (5 bits each) of a SHA-256 of "<ns>/<name>".
+# 24 characters are 120 bits, so finding a second namespace/name pair with the same directory
+# is a 2^120 search; the readable part and the hash fill the 107-byte budget exactly
+# (17 for "/run/weightcache/", 8 + 1 + 10 + 1 + 24 = 44, then "/" and a 45-byte device socket).
+SOCKET_DIR_HASH_CHARS = 24
+
+
 def socket_dir(namespace: str, name: str, root: str = SOCKET_ROOT) -> str:
     """Host (and container) directory with the agent's per-GPU sockets, short by construction.
 
-    ``<root>/<ns>.<name>.<hash>``: the namespace and name cut to 12 and 16 characters (for
-    people reading the host), then 10 hex digits of a hash of the full pair (what keeps two
-    caches apart). At most 57 bytes under the default root, whatever the names' lengths
-    (a namespace may have 63 characters, a name 253), so every device socket fits with room
-    to spare. The full names are in the WeightCache's status (``socketDir``).
+    ``<root>/<ns[:8]>.<name[:10]>.<hash>``: the namespace and name cut short (for people
+    reading the host), then 120 bits of a SHA-256 of the full pair in lowercase base32 (what
+    keeps two caches apart: no namespace editor can search a name that lands in another
+    cache's directory). At most 61 bytes under the default root, whatever the names' lengths
+    (a namespace may have 63 characters, a name 253), so every device socket fits a Unix
+    socket address. The full names are in the WeightCache's status (``socketDir``), and the
+    agent records them in the directory (``--cache``) and refuses a directory another cache's
+    agent has claimed.
     """
-    digest = hashlib.sha256(f"{namespace}/{name}".encode()).hexdigest()[:10]
-    directory = f"{root.rstrip('/')}/{namespace[:12]}.{name[:16]}.{digest}"
+    digest = base64.b32encode(hashlib.sha256(f"{namespace}/{name}".encode()).digest()).decode().lower()
+    leaf = f"{namespace[:SOCKET_DIR_NS_CHARS]}.{name[:SOCKET_DIR_NAME_CHARS]}.{digest[:SOCKET_DIR_HASH_CHARS]}"
+    directory = f"{root.rstrip('/')}/{leaf}"
     if len(directory.encode()) + 1 + MAX_SOCKET_NAME > MAX_SOCKET_PATH:
         raise SocketPathTooLong(
             f"socket directory {directory} leaves no room for device sockets: Unix socket paths hold at most "
             f"{MAX_SOCKET_PATH} bytes and a device socket name takes {MAX_SOCKET_NAME + 1}; use a shorter socket root")
     return directory
+
+
+def cache_identity(namespace: str, name: str, uid: str | None) -> str:
+    """What ``--cache`` tells an agent it serves: ``<ns>/<name>[/<uid>]``."""
+    return f"{namespace}/{name}/{uid}" if uid else f"{namespace}/{name}"
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -121,12 +141,16 @@ def model_dir(cs: CacheSpec) -> str:
     return MODEL_MOUNT
 
 
-def agent_args(cs: CacheSpec, namespace: str, name: str) -> list[str]:
-    """Arguments after ``weightcache``: the agent's command-line contract."""
+def agent_args(cs: CacheSpec, namespace: str, name: str, uid: str | None = None) -> list[str]:
+    """Arguments after ``weightcache``: the agent's command-line contract.
+
+    ``uid``: the WeightCache's, recorded by the agent in the socket directory with the names
+    (``--cache``), so that an agent of another cache never serves from that directory."""
     args = [
         "agent",
         "--model", model_dir(cs),
         "--socket-dir", socket_dir(namespace, name),
+        f"--cache={cache_identity(namespace, name, uid)}",
         "--tp-size", str(cs.tensor),
         "--devices", "all",
         "--quantization", cs.quantization,
@@ -135,7 +159,8 @@ def agent_args(cs: CacheSpec, namespace: str, name: str) -> list[str]:
         "--http-port", str(AGENT_HTTP_PORT),
     ]
     if cs.revision:
-        args += ["--revision", cs.revision]
+        # One token, "--revision=VALUE": whatever the value, the agent never reads it as a flag.
+        args.append(f"--revision={cs.revision}")
     if cs.sharding_rules:
         # Rules (and the preset they go in front of) travel as a file.
         args += ["--sharding", f"{SHARDING_DIR}/{SHARDING_FILE}"]
@@ -224,8 +249,9 @@ def control_secret_name(name: str) -> str:
     return f"{name}-agent-control"
 
 
-def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorConfig) -> dict[str, Any]:
-    """The agent DaemonSet for one WeightCache, with its spec hash annotation set."""
+def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorConfig,
+                     uid: str | None = None) -> dict[str, Any]:
+    """The agent DaemonSet for one WeightCache (``uid``: the WeightCache's), with its spec hash annotation set."""
     labels = agent_labels(name)
     sockets = socket_dir(namespace, name)
 
@@ -263,7 +289,7 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         mounts.append({"name": "sharding", "mountPath": SHARDING_DIR, "readOnly": True})
         template_annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
 
-    args = agent_args(cs, namespace, name)
+    args = agent_args(cs, namespace, name, uid)
     if config.agent_label_pods == "off":
         args += ["--label-pods", "off"]  # no admission policy bounds an agent's write here
     if config.control_key is not None:

@@ -220,7 +220,7 @@ class Reconciler(ObjectReconciler):
         else:
             new_status["model"] = cs.model_display
             new_status["daemonSet"] = daemonset_name(name)
-            ds = render_daemonset(cs, namespace, name, self.config)
+            ds = render_daemonset(cs, namespace, name, self.config, uid)
             cm = render_sharding_configmap(cs, namespace, name)
             children = [o for o in (cm, ds) if o is not None]  # ConfigMap first: the pods mount it
             kopf.append_owner_reference(children, owner=body)

@@ -26,7 +26,11 @@ HELD_FOR_MEMORY = "InsufficientMemory"  # the Degraded reason while a transition
 
 
 def _flag(argv: Sequence[str], flag: str) -> str | None:
+    """A flag's value, written "--flag=VALUE" (as the operator renders free-form values) or "--flag VALUE"."""
     argv = list(argv)
+    for arg in argv:
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1:]
     return argv[argv.index(flag) + 1] if flag in argv[:-1] else None
 
 
