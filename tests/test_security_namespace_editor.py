@@ -24,13 +24,16 @@ from typing import Any
 
 import pytest
 
-from k8s_lab import Lab, ns_path
+from k8s_lab import Lab, ns_path, pods_path, wait_for
 from operator_fixtures import LLAMA_SPEC
 from weightcache_agent import agent_status
 from weightcache_agent.serve.agent_main import build_parser
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
+from weightcache_operator.api.v1alpha1.engineset_types import parse_engineset
 from weightcache_operator.api.v1alpha1.weightcache_types import SpecError, parse_spec
 from weightcache_operator.config import OperatorConfig
+from weightcache_operator.controller.engineset.manifests import SOCKET_VOLUME, render_pod
+from weightcache_operator.controller.engineset.placement import Placement
 from weightcache_operator.controller.weightcache.manifests import (
     MAX_SOCKET_NAME,
     MAX_SOCKET_PATH,
@@ -242,3 +245,110 @@ def test_a_bad_cache_identity_is_one_line(model: str, workdir: str) -> None:
     agent = NodeAgent(model, os.path.join(workdir, "bad"), os.path.join(workdir, "bad-agent"), "ml/Not_A_Name")
     assert agent.proc.wait(60) == 2, agent.log()
     assert "--cache 'ml/Not_A_Name': 'Not_A_Name' is not a Kubernetes object name" in agent.log(), agent.log()
+
+
+# --- a read-write socket directory in an engine pod ------------------------------------------
+
+def rw(name: str, **extra: Any) -> dict[str, Any]:
+    """A container that mounts the operator's socket volume read-write (no readOnly)."""
+    return {"name": name, "image": "busybox:1", **extra,
+            "volumeMounts": [{"name": SOCKET_VOLUME, "mountPath": "/sockets"}]}
+
+
+HOSTILE_TEMPLATE: dict[str, Any] = {"spec": {
+    "containers": [{"name": "engine", "image": "engine:1"}],
+    "initContainers": [
+        rw("init", command=["sh", "-c", "rm -f /sockets/*.sock /sockets/.*.lock"]),
+        rw("sidecar", restartPolicy="Always"),  # a native sidecar: runs beside the engine all along
+    ],
+    # Not accepted by the API server on create, but rendered read-only all the same.
+    "ephemeralContainers": [rw("debug")],
+}}
+ENGINE_CACHE = parse_spec({"model": {"path": "qwen"}, "parallelism": {"tensor": 1}})
+
+
+def socket_mounts(pod: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    spec = pod["spec"]
+    return {c["name"]: [m for m in c.get("volumeMounts") or [] if m["name"] == SOCKET_VOLUME]
+            for kind in ("containers", "initContainers", "ephemeralContainers") for c in spec.get(kind) or []}
+
+
+def test_every_container_of_an_engine_pod_gets_the_socket_directory_read_only() -> None:
+    es = parse_engineset("chat", {"cacheRef": {"name": "qwen"}, "template": HOSTILE_TEMPLATE})
+    pod = render_pod(es, ENGINE_CACHE, OperatorConfig(), "ml", "chat", Placement(0, "node-a", ("GPU-a",)), 0)
+    mounts = socket_mounts(pod)
+    assert set(mounts) == {"engine", "init", "sidecar", "debug"}
+    for name, found in mounts.items():
+        assert found and all(m.get("readOnly") is True for m in found), (name, found)
+    assert mounts["init"][0]["mountPath"] == "/sockets"  # the template's mount stays, read-only
+
+
+@pytest.mark.parametrize("path", ["/run/weightcache", "/run/weightcache/ml.qwen.x", "/run//weightcache/",
+                                  "/run/./weightcache/a/..", "/run", "/"])
+def test_a_template_may_not_bring_its_own_host_path_to_the_sockets(path: str) -> None:
+    template = {"spec": {"containers": [rw("engine")],
+                         "volumes": [{"name": "mine", "hostPath": {"path": path}}]}}
+    with pytest.raises(SpecError) as refused:
+        parse_engineset("chat", {"cacheRef": {"name": "qwen"}, "template": template})
+    assert refused.value.reason == "InvalidTemplate"
+    assert refused.value.message.startswith(f"spec.template.spec.volumes[0] (mine) is the host path {path!r}, "
+                                            "which holds the agents' socket directories (/run/weightcache)")
+    for fine in ("/run/other", "/var/run", "/run/weightcache-other"):
+        template["spec"]["volumes"][0]["hostPath"]["path"] = fine
+        parse_engineset("chat", {"cacheRef": {"name": "qwen"}, "template": template})
+
+
+ENGINE_POLICY = "weightcache-engine-sockets"
+
+
+def engine_pod(name: str, **spec: Any) -> dict[str, Any]:
+    """A pod as an EngineSet's (its label), with the operator's socket volume."""
+    return {"metadata": {"name": name, "labels": {"weightcache.io/engineset": "chat"}},
+            "spec": {"nodeName": "node-1",
+                     "volumes": [{"name": SOCKET_VOLUME,
+                                  "hostPath": {"path": "/run/weightcache/ml.chat.x", "type": "Directory"}}],
+                     **spec}}
+
+
+def refused_by_policy(answer: tuple[int, Any], *containers: str) -> bool:
+    status, body = answer
+    message = body.get("message", "") if isinstance(body, dict) else ""
+    return (status in (403, 422) and ENGINE_POLICY in message and "read-write in: " + ", ".join(containers) in message)
+
+
+def test_the_admission_policy_refuses_a_writable_socket_mount_in_any_container(k8s_chart: Lab) -> None:
+    lab = k8s_chart
+    ns = lab.namespace("rwsock")
+    try:
+        policy = lab.api.get(f"/apis/admissionregistration.k8s.io/v1/validatingadmissionpolicies/{ENGINE_POLICY}")
+        assert not policy.get("status", {}).get("typeChecking", {}).get("expressionWarnings"), policy["status"]
+        ro = {"name": "engine", "image": "engine:1",
+              "volumeMounts": [{"name": SOCKET_VOLUME, "mountPath": "/sockets", "readOnly": True}]}
+        # A new policy takes effect once the API server has loaded it: wait for its first denial.
+        wait_for(lambda: refused_by_policy(lab.api.request("POST", pods_path(ns), engine_pod(
+            "probe", containers=[rw("engine")])), "engine"), timeout=30, what="the engine policy to take effect")
+        for name, spec, culprits in (
+                ("init", {"containers": [ro], "initContainers": [rw("init")]}, ["init"]),
+                ("sidecar", {"containers": [ro], "initContainers": [rw("sidecar", restartPolicy="Always")]},
+                 ["sidecar"]),
+                ("both", {"containers": [rw("engine")], "initContainers": [rw("init")]}, ["engine", "init"]),
+                ("hostpath", {"containers": [{**ro, "volumeMounts": [{"name": "own", "mountPath": "/s"}]}],
+                              "volumes": [{"name": "own", "hostPath": {"path": "/run/weightcache"}}]}, ["engine"])):
+            answer = lab.api.request("POST", pods_path(ns), engine_pod(name, **spec))
+            assert refused_by_policy(answer, *culprits), (name, answer)
+        # Every container read-only: admitted.
+        sidecar_ro = {**rw("sidecar", restartPolicy="Always")}
+        sidecar_ro["volumeMounts"] = [{**sidecar_ro["volumeMounts"][0], "readOnly": True}]
+        status, body = lab.api.request("POST", pods_path(ns), engine_pod("good", containers=[ro],
+                                                                         initContainers=[sidecar_ro]))
+        assert status == 201, body
+        # `kubectl debug` by a namespace editor: an ephemeral container with the socket volume read-write.
+        pod = lab.api.get(pods_path(ns, "good"))
+        pod["spec"]["ephemeralContainers"] = [{**rw("debug"), "targetContainerName": "engine"}]
+        answer = lab.api.request("PUT", pods_path(ns, "good") + "/ephemeralcontainers", pod)
+        assert refused_by_policy(answer, "debug"), answer
+        pod["spec"]["ephemeralContainers"][0]["volumeMounts"][0]["readOnly"] = True
+        status, body = lab.api.request("PUT", pods_path(ns, "good") + "/ephemeralcontainers", pod)
+        assert status == 200, body
+    finally:
+        lab.delete_namespace(ns)

@@ -14,10 +14,12 @@ sees only ``EngineSetSpec``.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...config import SOCKET_ROOT
 from .weightcache_types import SpecError, plain
 
 MODES = ("dra", "visibleDevices")
@@ -81,10 +83,23 @@ def _template(value: Any) -> dict[str, Any]:
     for i, c in enumerate(containers):
         if not isinstance(c, Mapping) or not isinstance(c.get("name"), str) or not c.get("name"):
             raise SpecError("InvalidTemplate", f"spec.template.spec.containers[{i}] needs a name")
+    for i, v in enumerate(spec.get("volumes") or []):
+        host = (v.get("hostPath") or {}).get("path") if isinstance(v, Mapping) else None
+        if isinstance(host, str) and _reaches_socket_root(host):
+            raise SpecError("InvalidTemplate",
+                            f"spec.template.spec.volumes[{i}] ({v.get('name')}) is the host path {host!r}, which holds "
+                            f"the agents' socket directories ({SOCKET_ROOT}): the operator mounts the cache's own "
+                            "directory into every container, read-only")
     meta = template.get("metadata")
     if meta is not None and not isinstance(meta, Mapping):
         raise SpecError("InvalidTemplate", "spec.template.metadata must be an object")
     return template
+
+
+def _reaches_socket_root(path: str) -> bool:
+    """Whether a host path is the socket root, inside it, or above it (so a mount of it reaches the sockets)."""
+    norm = posixpath.normpath("/" + path.lstrip("/"))  # one leading slash: normpath keeps two as they are
+    return norm == SOCKET_ROOT or norm.startswith(SOCKET_ROOT + "/") or SOCKET_ROOT.startswith(norm.rstrip("/") + "/")
 
 
 def parse_engineset(name: str, spec: Mapping[str, Any]) -> EngineSetSpec:

@@ -145,6 +145,21 @@ def _strip_gpu_resource(resources: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _read_only_mounts(container: Mapping[str, Any], volumes: tuple[str, ...], sockets: str) -> dict[str, Any]:
+    """`container` with every mount of one of `volumes`, or at or under the socket directory, read-only."""
+    c = dict(container)
+    mounts = []
+    for m in c.get("volumeMounts") or []:
+        m = dict(m)
+        path = str(m.get("mountPath") or "")
+        if m.get("name") in volumes or path == sockets or path.startswith(sockets.rstrip("/") + "/"):
+            m["readOnly"] = True
+        mounts.append(m)
+    if mounts:
+        c["volumeMounts"] = mounts
+    return c
+
+
 def _env(es: EngineSetSpec, cs: CacheSpec, namespace: str, name: str, p: Placement, model: str,
          role: str = "auto") -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
@@ -228,6 +243,12 @@ def render_pod(
             c.pop("resources", None)
         containers.append(c)
     spec["containers"] = containers
+    # Init containers, native sidecars (init containers that keep running) and ephemeral containers
+    # get no mounts of ours, and any mount of our volumes (or at our paths) they name is read-only:
+    # no container of an engine pod may unlink, rename or plant a file beside the agent's sockets.
+    for kind in ("initContainers", "ephemeralContainers"):
+        if spec.get(kind):
+            spec[kind] = [_read_only_mounts(c, ours_volumes, sockets) for c in spec[kind]]
 
     if cs.model_pvc is not None:
         models: dict[str, Any] = {"name": MODEL_VOLUME,
