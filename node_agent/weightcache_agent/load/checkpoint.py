@@ -9,7 +9,6 @@ single byte of weights is read.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -20,7 +19,7 @@ from ..errors import CheckpointError
 from .dtypes import DTYPES, DType
 # also imported from here by engines and tests
 from .signature import (INDEX_FILE, MAX_HEADER_BYTES, _identity, _shard_files, content_identity,  # noqa: F401
-                        file_signature, open_regular)
+                        file_signature, open_regular, parse_json)
 
 
 @dataclass(frozen=True)
@@ -62,26 +61,27 @@ class Checkpoint:
         return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
-def read_header(path: str) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
-    """Parse and check one safetensors file's header; return (raw header, records, metadata)."""
+def read_header(path: str, within: str | None = None) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
+    """Parse and check one safetensors file's header; return (raw header, records, metadata).
+
+    `within`: the model directory the file must resolve into (`open_regular`). No error quotes
+    the file's leading bytes: a file that is not safetensors is called that, whatever it holds."""
     try:
-        size = os.path.getsize(path)
-        with open_regular(path) as f:
+        with open_regular(path, within=within) as f:
+            size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise CheckpointError(f"{path}: truncated: {size} bytes, too short for a safetensors header")
             (header_len,) = struct.unpack("<Q", prefix)
             if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
                 raise CheckpointError(
-                    f"{path}: header length {header_len} goes beyond the file ({size} bytes): truncated or not safetensors"
+                    f"{path}: not a safetensors file, or truncated: its header length field points beyond the file "
+                    f"({size} bytes)"
                 )
             raw = f.read(header_len)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: header is not valid JSON: {e}") from None
+    header = parse_json(raw, path, "header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -103,10 +103,15 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
         raise CheckpointError(f"{where}: header entry is not an object")
     code = entry.get("dtype")
     if code not in DTYPES:
-        raise CheckpointError(f"{where}: unsupported dtype {code!r}; supported: {', '.join(DTYPES)}")
+        raise CheckpointError(f"{where}: unsupported dtype {_short(code)}; supported: {', '.join(DTYPES)}")
     shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        raise CheckpointError(f"{where}: shape {_short(shape)} is not a list of non-negative integers")
+    # As safetensors and torch take a shape: at most 64 dimensions, and every count of elements a
+    # stride or size is made of (the product of the non-zero dimensions) within int64. A zero
+    # dimension makes the product 0 and would hide [0, 2**70] from the size check below.
+    if len(shape) > MAX_DIMS or math.prod(d for d in shape if d) > INT64_MAX:
+        raise CheckpointError(f"{where}: shape {_short(shape)} is beyond int64 elements or {MAX_DIMS} dimensions")
     offsets = entry.get("data_offsets")
     if (
         not isinstance(offsets, list)
@@ -114,7 +119,7 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
         or not all(isinstance(o, int) for o in offsets)
         or not 0 <= offsets[0] <= offsets[1]
     ):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end")
+        raise CheckpointError(f"{where}: data_offsets {_short(offsets)} are not [begin, end] with 0 <= begin <= end")
     begin, end = offsets
     dtype = DTYPES[code]
     expected = math.prod(shape) * dtype.itemsize
@@ -130,6 +135,16 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
     return TensorRecord(name, path, dtype, tuple(shape), data_start + begin, end - begin)
 
 
+MAX_DIMS = 64
+INT64_MAX = 2**63 - 1
+
+
+def _short(value: Any) -> str:
+    """A header field for an error line, cut short: diagnostics, not a way to read a file back."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def open_checkpoint(directory: str) -> Checkpoint:
     """Index a checkpoint directory (single file or sharded with an index) from its headers."""
     directory = os.path.abspath(directory)
@@ -141,7 +156,7 @@ def open_checkpoint(directory: str) -> Checkpoint:
     metadata: dict[str, dict[str, str]] = {}
     for fname in files:
         path = os.path.join(directory, fname)
-        raw, records, meta = read_header(path)
+        raw, records, meta = read_header(path, within=directory)
         headers.append((fname, os.path.getsize(path), raw))
         metadata[fname] = meta
         for name, record in records.items():
@@ -168,13 +183,16 @@ def open_checkpoint(directory: str) -> Checkpoint:
 
 def _read_config(directory: str) -> dict[str, Any] | None:
     path = os.path.join(directory, "config.json")
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     try:
-        with open_regular(path) as f:
-            config = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: cannot read config: {e}") from None
+        with open_regular(path, within=directory) as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read config: {e.strerror or e}") from None
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{path}: config larger than {MAX_HEADER_BYTES} bytes")
+    config = parse_json(raw, path, "config")
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: config is not a JSON object")
     return config

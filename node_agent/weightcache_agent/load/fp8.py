@@ -202,9 +202,10 @@ def checkpoint_quantization(checkpoint: "Checkpoint") -> str | None:
         block = qc.get("weight_block_size")
         if block is None:
             check_quantization("fp8-per-tensor")  # raises, saying why
-        if list(block) != [BLOCK, BLOCK]:
+        if not isinstance(block, list) or block != [BLOCK, BLOCK]:
+            shown = repr(block) if len(repr(block)) <= 80 else repr(block)[:77] + "..."
             raise UnsupportedQuantization(
-                f"{where}: fp8 with weight_block_size {block} is refused: only [128, 128] blocks are on the allowlist"
+                f"{where}: fp8 with weight_block_size {shown} is refused: only [128, 128] blocks are on the allowlist"
             )
         return "fp8-block"
     check_quantization(method)  # awq, gptq, marlin, ...: refused with the reason

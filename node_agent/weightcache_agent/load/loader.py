@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fp8
-from .checkpoint import Checkpoint, TensorRecord, open_checkpoint
+from .checkpoint import Checkpoint, TensorRecord, open_checkpoint, open_regular
 from .dtypes import FLOAT32, FP8_E4M3, dtype_from_name
 from ..arena.cpu import CpuArena, new_cpu_arena
 from ..errors import CheckpointError, UnsupportedQuantization
@@ -120,6 +120,28 @@ def _check_scale(checkpoint: Checkpoint, weight: TensorRecord) -> None:
         )
 
 
+def check_scales_finite(plan: list[PlannedTensor]) -> None:
+    """Refuse an FP8 checkpoint whose `weight_scale_inv` holds NaN or infinity, as quantizing on load
+    refuses non-finite weights: every value of such a block would dequantize to garbage, served
+    without a word. The scales are 1/16384 of the weights' elements: read whole from the file
+    (each scale tensor this rank serves), before any weight is."""
+    import numpy
+
+    for item in plan:
+        record = item.source
+        if record is None or item.kind != "extra" or not record.name.endswith(SCALE_SUFFIX) or record.dtype != FLOAT32:
+            continue
+        with open_regular(record.file) as f:
+            raw = os.pread(f.fileno(), record.nbytes, record.start)
+        if len(raw) != record.nbytes:
+            raise CheckpointError(f"{record.file}: tensor {record.name!r}: truncated ({len(raw)} of {record.nbytes} bytes)")
+        finite = numpy.isfinite(numpy.frombuffer(raw, dtype="<f4"))
+        if not finite.all():
+            first = int(numpy.argmin(finite))
+            raise CheckpointError(f"{record.file}: tensor {record.name!r}: non-finite scale at element {first} "
+                                  "(NaN or infinity): refused, as quantizing on load refuses non-finite values")
+
+
 def _check_vocab(checkpoint: Checkpoint) -> None:
     """Embedding / lm_head rows must agree with config.json's vocab_size (a header that contradicts the config)."""
     vocab = (checkpoint.config or {}).get("vocab_size")
@@ -148,6 +170,7 @@ def prepare_cache(spec: CacheSpec, device: str = "cpu") -> PreparedCache:
     """Plan and lay out the arena for `spec`, refusing a checkpoint that is bad or too big."""
     checkpoint = open_checkpoint(spec.model)
     plan = plan_tensors(checkpoint, spec)
+    check_scales_finite(plan)
     layout = lay_out(((p.name, p.dtype, p.shape, p.kind) for p in plan), fuse=LAYOUTS[spec.layout])
     fields = fingerprint_fields(spec, checkpoint, device)
     return PreparedCache(spec, checkpoint, plan, layout, fields, fingerprint(fields))

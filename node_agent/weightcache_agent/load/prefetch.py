@@ -26,7 +26,9 @@ import threading
 import time
 from typing import Callable
 
+from ..errors import CheckpointError
 from .pagecache import cached_share
+from .signature import INDEX_FILE, MAX_HEADER_BYTES, open_regular, shard_name_ok
 
 log = logging.getLogger(__name__)
 
@@ -49,15 +51,19 @@ def lead_for(paths: list[str], host_arena: bool) -> int:
 def shard_paths(directory: str) -> list[str]:
     """The shard files in the order the fill reads them; [] when the directory cannot say."""
     try:
-        index = os.path.join(directory, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
+        index = os.path.join(directory, INDEX_FILE)
+        if os.path.lexists(index):
+            # Non-blocking, regular files in the directory only: this runs before the agent binds its
+            # socket, and an index that is a FIFO must not hold it there.
+            with open_regular(index, within=directory) as f:
+                names = sorted(set(json.loads(f.read(MAX_HEADER_BYTES + 1))["weight_map"].values()))
         else:
             names = sorted(n for n in os.listdir(directory) if n.endswith(".safetensors"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError, CheckpointError):
         return []  # the load itself will say what is wrong with the checkpoint
-    return [os.path.join(directory, n) for n in names if isinstance(n, str) and "/" not in n]
+    root = os.path.realpath(directory) + os.sep
+    return [os.path.join(directory, n) for n in names if shard_name_ok(n)
+            and os.path.realpath(os.path.join(directory, n)).startswith(root)]
 
 
 class Prefetch:

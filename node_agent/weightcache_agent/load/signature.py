@@ -41,14 +41,18 @@ def file_signature(directory: str) -> str:
     return digest.hexdigest()[:16]
 
 
-def open_regular(path: str) -> Any:
+def open_regular(path: str, within: str | None = None) -> Any:
     """`path` opened for binary reading, or `CheckpointError` when it is not a regular file.
 
     Opened non-blocking first: a FIFO or device in place of a shard is refused at once
-    instead of hanging the load on its first read.
+    instead of hanging the load on its first read. With `within` (a directory), the file
+    opened must lie inside it once every link is resolved: checked on the descriptor itself
+    (`/proc/self/fd`), so a link swapped in after a check of the name cannot lead outside.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
+        if within is not None:
+            check_within(path, os.readlink(f"/proc/self/fd/{fd}"), within)
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise CheckpointError(f"{path}: not a regular file")
         os.set_blocking(fd, True)
@@ -58,33 +62,103 @@ def open_regular(path: str) -> Any:
     return os.fdopen(fd, "rb")
 
 
-def _read_index(index_path: str) -> dict[str, str]:
+def check_within(path: str, real: str, directory: str) -> None:
+    """Refuse `path` (resolved: `real`) unless it lies inside `directory` (resolved too).
+
+    The model directory is the one place a checkpoint may name: a shard, index or config
+    that is a link out of it would have the agent (root) read, and serve, a file the
+    checkpoint's author chose anywhere on the node."""
+    root = os.path.realpath(directory)
+    if not real.startswith(root.rstrip(os.sep) + os.sep):
+        raise CheckpointError(f"{path}: resolves to {real}, outside the model directory {root}: refused")
+
+
+def shard_name_ok(name: Any) -> bool:
+    """Whether an index's shard name is a plain file name: no directory part, not absolute, not `..`."""
+    return (isinstance(name, str) and 0 < len(name) <= 255 and "/" not in name and "\0" not in name
+            and name not in (".", ".."))
+
+
+def parse_json(raw: bytes, path: str, what: str) -> Any:
+    """`raw` parsed as JSON, or `CheckpointError` naming `path`. Nothing of `raw` is quoted back:
+    an error says where and what is wrong, never which bytes are there (a file named by a hostile
+    index must not leak into a status message).
+
+    Refused: text that is not UTF-8, nesting deeper than the parser's recursion bound (it stops
+    there: no stack grows past it), integers too long to convert, and an object with the same
+    key twice (safetensors refuses such a header; json would keep the last one silently)."""
     try:
-        with open_regular(index_path) as f:
-            index = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{index_path}: cannot read index: {e}") from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{path}: {what} is not UTF-8 (at byte {e.start})") from None
+    try:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise CheckpointError(f"{path}: {what} has the key {e.key[:200]!r} more than once") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    except (ValueError, RecursionError) as e:  # an integer beyond Python's digit limit
+        kind = "nested too deeply" if isinstance(e, RecursionError) else "holds a number too long to convert"
+        raise CheckpointError(f"{path}: {what} {kind}") from None
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _read_index(index_path: str) -> dict[str, str]:
+    directory = os.path.dirname(index_path)
+    try:
+        with open_regular(index_path, within=directory) as f:
+            raw = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: cannot read index: {e.strerror or e}") from None
+    if len(raw) > MAX_HEADER_BYTES:
+        raise CheckpointError(f"{index_path}: index larger than {MAX_HEADER_BYTES} bytes")
+    index = parse_json(raw, index_path, "index")
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_path}: no 'weight_map' object of tensor name -> shard file")
+    for tensor, fname in weight_map.items():
+        if not shard_name_ok(fname):
+            raise CheckpointError(f"{index_path}: tensor {tensor[:200]!r}: shard {fname[:200]!r} is not a file name "
+                                  "in the model directory (absolute, with a directory part, or '..'): refused")
     return weight_map
 
 
 def _shard_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
-    """The checkpoint's safetensors files (sorted names) and, when sharded, the index's weight map."""
+    """The checkpoint's safetensors files (sorted names) and, when sharded, the index's weight map.
+
+    Every name is a file of the model directory, and stays in it when its links are resolved."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"{directory}: model directory does not exist")
     index_path = os.path.join(directory, INDEX_FILE)
-    if os.path.exists(index_path):
+    if os.path.lexists(index_path):
         expected = _read_index(index_path)
         files = sorted(set(expected.values()))
         for fname in files:
-            if not os.path.isfile(os.path.join(directory, fname)):
+            path = os.path.join(directory, fname)
+            if not os.path.isfile(path):
                 raise CheckpointError(f"{index_path}: names shard {fname!r}, which is missing from {directory}")
+            check_within(path, os.path.realpath(path), directory)
         return files, expected
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors files and no {INDEX_FILE}")
+    for fname in files:
+        path = os.path.join(directory, fname)
+        check_within(path, os.path.realpath(path), directory)
     return files, None
 
 
@@ -95,7 +169,7 @@ def _identity(directory: str, headers: list[tuple[str, int, bytes]]) -> str:
         digest.update(f"{fname}\0{size}\0{len(raw)}\0".encode())
         digest.update(raw)
     try:
-        with open_regular(os.path.join(directory, "config.json")) as f:
+        with open_regular(os.path.join(directory, "config.json"), within=directory) as f:
             digest.update(b"config.json\0" + f.read())
     except FileNotFoundError:
         pass
@@ -110,7 +184,7 @@ def content_identity(directory: str) -> str:
     for fname in files:
         path = os.path.join(directory, fname)
         try:
-            with open_regular(path) as f:
+            with open_regular(path, within=directory) as f:
                 (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
                 headers.append((fname, os.fstat(f.fileno()).st_size, f.read(min(length, MAX_HEADER_BYTES))))
         except OSError as e:
