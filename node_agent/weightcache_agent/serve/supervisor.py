@@ -209,6 +209,7 @@ class Worker:
         self.forwarder: _LogForwarder | None = None
         self.status: dict[str, Any] | None = None  # last answer of the current process
         self.last_answer = 0.0
+        self.started = 0.0  # monotonic time the current process was spawned
         self.phase = "Pending"
         self.message = ""
         self.restarts = 0
@@ -236,6 +237,7 @@ class Worker:
         self.spawned += 1
         self.next_start = None
         self.status, self.last_answer, self._seen_attaches = None, 0.0, 0
+        self.started = time.monotonic()
         self.phase, self.message = "Pending", ""
         log.info("rank %d (%s): worker pid=%d started%s", self.rank, self.device.uuid, self.proc.pid,
                  f" (restart {self.restarts})" if self.restarts else "")
@@ -259,19 +261,22 @@ class Worker:
             return
         try:
             status = agent_status(self.socket, timeout=POLL_TIMEOUT)
+            if status.get("pid") != self.proc.pid:  # another agent at the path: not our worker's answer
+                raise WeightCacheError(f"{self.socket} is served by pid {status.get('pid')}, not this worker")
         except (WeightCacheError, OSError, ValueError) as e:
-            silent = now - self.last_answer if self.last_answer else 0.0
+            # Silent since its last answer, or since it started when it never answered: a worker
+            # stuck before it binds (a hung read of a hostile checkpoint) is killed all the same.
+            silent = now - (self.last_answer or self.started)
             if silent > KILL_AFTER:
                 # Engines keep their mappings; a restart gives the rank a working socket back.
-                log.error("rank %d (%s): worker pid=%d silent for %.0fs, killing it", self.rank, self.device.uuid,
-                          self.proc.pid, silent)
+                log.error("rank %d (%s): worker pid=%d silent for %.0fs%s, killing it", self.rank, self.device.uuid,
+                          self.proc.pid, silent, "" if self.last_answer else " since it started")
                 self.proc.kill()
-            elif silent > STALE_AFTER:
+            elif silent > STALE_AFTER and self.last_answer:
                 self.phase, self.message = "Unresponsive", f"worker stopped answering on its socket: {e}"
             return
         self.last_answer = now
-        if status.get("pid") == self.proc.pid:
-            self.bound = True
+        self.bound = True  # our own worker answered on the socket: it bound it
         self._observe_attaches(status)
         self.status = status
         self.phase = _WORKER_PHASES.get(str(status.get("phase")), "Pending")
