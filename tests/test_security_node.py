@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +24,9 @@ from typing import Any, Callable
 
 import pytest
 
-from weightcache_agent import agent_status
+from weightcache_agent import agent_status, protocol
+from weightcache_agent.load.fingerprint import engine_request
+from weightcache_agent.spec import CacheSpec
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
@@ -143,3 +146,56 @@ def test_stopping_a_colliding_node_agent_leaves_the_serving_agents_socket(model,
         assert victim.stop() == 0
     # The victim's own stop still cleans up what it bound.
     assert not os.path.lexists(os.path.join(sockets, "cpu-0.sock")), os.listdir(sockets)
+
+
+def _hold_lease(sock: str, model: str) -> socket.socket:
+    """An engine's lease naming a group and a pod: what `/status` must not show to just anyone."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(30)
+    s.connect(sock)
+    protocol.send_message(s, {"type": "attach", "role": "primary", "group": "ns/secret-group",
+                              "pod": {"namespace": "ns", "name": "secret-engine", "uid": "uid-1"},
+                              "request": engine_request(CacheSpec(model=model))})
+    reply, fds = protocol.recv_message(s, protocol.MAX_REPLY_BYTES, max_fds=protocol.MAX_FDS)
+    for fd in fds:
+        os.close(fd)
+    assert reply["type"] == "manifest", reply
+    return s
+
+
+@pytest.mark.parametrize("token", ["absent", "short", "none-given"])
+def test_status_without_a_usable_control_token_shows_no_lease_holders(model, workdir, token):
+    """The token file comes from an optional Secret: while it is absent (or too short to be a token),
+    an unauthenticated `/status` must not show pods, groups or pids; a usable token, once it appears,
+    shows them to its holder alone."""
+    base = os.path.join(workdir, f"token-{token}")
+    token_file = os.path.join(base, "control-token")
+    os.makedirs(base, exist_ok=True)
+    if token == "short":
+        with open(token_file, "w") as f:
+            f.write("fifteen-chars!!")
+    extra = () if token == "none-given" else ("--control-token-file", token_file)
+    node = Node(model, os.path.join(base, "sockets"), base, *extra)
+    lease = None
+    try:
+        ready = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+        lease = _hold_lease(ready["ranks"][0]["socket"], model)
+        status = node.wait(lambda s: s["ranks"][0]["clients"] == 1, "one lease")
+        assert status["ranks"][0]["leases"] == [{"role": "primary"}], status["ranks"][0]["leases"]
+        shown = json.dumps(status)
+        assert "secret-engine" not in shown and "secret-group" not in shown, shown
+        # Guessing at the token gets nothing either, whatever is offered.
+        _, body = node.get("/status", {"Authorization": "Bearer fifteen-chars!!"})
+        assert "secret-engine" not in body
+        _, body = node.get("/status", {"Authorization": "Bearer "})
+        assert "secret-engine" not in body
+        if token == "absent":  # the Secret arrives: its holder sees the pods, others still do not
+            with open(token_file, "w") as f:
+                f.write("a-real-control-token-0123456789")
+            full = node.status({"Authorization": "Bearer a-real-control-token-0123456789"})
+            assert full["ranks"][0]["leases"][0]["pod"]["name"] == "secret-engine"
+            assert "secret-engine" not in node.get("/status")[1]
+    finally:
+        if lease is not None:
+            lease.close()
+        assert node.stop() == 0

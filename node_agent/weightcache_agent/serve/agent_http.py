@@ -22,11 +22,12 @@ however slowly its bytes come. Whole requests go to `HANDLER_THREADS` threads th
 queue of `MAX_QUEUED`; past that a request is closed unanswered. The agent's thread count
 therefore does not grow with its clients.
 
-Who sees what: `/status` lists each rank's leases. Where a control token is set, the
-pods, groups and pids in them go only to a request that carries that token (the
-operator, which derives it); everyone else gets the same document with each lease
-reduced to its role. Without a token there is nobody to tell apart, and leases are
-shown whole.
+Who sees what: `/status` lists each rank's leases. The pods, groups and pids in them go
+only to a request that carries the control token (the operator, which derives it);
+everyone else gets the same document with each lease reduced to its role. Fail closed:
+while there is no usable token (no file given, the file absent -- it comes from an
+optional Secret volume -- or shorter than 16 characters) nobody gets them over HTTP;
+`weightcache status` on the node's socket still shows them to whoever may use it.
 """
 from __future__ import annotations
 
@@ -382,7 +383,8 @@ class _Handler(BaseHTTPRequestHandler):
             elif path == "/status":
                 token = self._token()
                 doc = self.source.snapshot()
-                self._json(200, doc if token is None or self._authorized(token) else _without_identities(doc),
+                # No token is no proof: without one, nobody is shown who holds the leases.
+                self._json(200, doc if token is not None and self._authorized(token) else _without_identities(doc),
                            send_body)
             elif path == "/metrics":
                 self._send(200, CONTENT_TYPE_LATEST, generate_latest(self.registry), send_body)

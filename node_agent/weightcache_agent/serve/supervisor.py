@@ -586,20 +586,37 @@ def replica_devices(backend: str, spec: str, tp_size: int, replicas: int = 0) ->
     return chosen[:(replicas or fit) * tp_size]
 
 
+MIN_CONTROL_TOKEN = 16  # characters; a shorter token is no token
+
+
 def _control_token_reader(path: str | None) -> Callable[[], str | None] | None:
-    """Reads the bearer token `POST /switchover` requires, at each request: the file comes from a
-    Secret that may appear, or change, while the agent runs. None: switchover over HTTP is off."""
+    """Reads the bearer token `POST /switchover` and the lease holders in `/status` require, at each
+    request: the file comes from a Secret that may appear, or change, while the agent runs. None
+    (no file named), or a read answering None (file absent or too short): switchover over HTTP is
+    off and `/status` shows no lease holders to anyone."""
     path = path or os.environ.get("WEIGHTCACHE_CONTROL_TOKEN_FILE")
     if not path:
+        log.info("no control token file: /status shows leases as roles only, switchover over HTTP is off")
         return None
+    warned: list[str] = []
 
     def read() -> str | None:
         try:
             with open(path) as f:
-                token = f.read().strip()
-        except OSError:
-            return None
-        return token if len(token) >= 16 else None  # a short token is no token
+                token = f.read(4096).strip()
+        except OSError as e:
+            why = f"cannot read {path}: {e.strerror or e}"
+            token = ""
+        else:
+            why = f"{path} holds fewer than {MIN_CONTROL_TOKEN} characters"
+        if len(token) >= MIN_CONTROL_TOKEN:
+            warned.clear()
+            return token
+        if warned != [why]:  # once per cause, not per request
+            log.warning("control token unusable (%s): /status shows leases as roles only, switchover over HTTP "
+                        "is off", why)
+            warned[:] = [why]
+        return None
 
     return read
 
