@@ -126,11 +126,13 @@ class VllmExample(e2e_bench.EndToEnd):
         labels = pod["metadata"].get("labels") or {}
         if all(labels.get(k) == v for k, v in e2e_bench.AGENT_LABELS.items()):
             return [*argv, "--replicas", str(len(CPU_DEVICES))]  # the cpu backend has no GPUs to count
-        if argv[:3] == ["python3", "-m", "vllm.entrypoints.openai.api_server"]:
+        if argv[:2] == ["vllm", "serve"]:
             # vLLM's own environment; its working directory outside the checkout, whose build metadata
-            # would stand in for the installed package's entry points
+            # would stand in for the installed package's entry points. vLLM's CPU build's `vllm` command
+            # fails at start (it looks up the distribution `vllm`): its server module, the model as --model.
             env = [f"{k}={v}" for k, v in vllm_environment(self.kv_cache_gib).items()]
-            args = [a for a in argv[1:] if a != "--enable-sleep-mode"]
+            args = ["-m", "vllm.entrypoints.openai.api_server", "--model",
+                    *[a for a in argv[2:] if a != "--enable-sleep-mode"]]
             return ["env", "-u", "PYTHONPATH", "-C", str(self.root), *env, self.vllm_python, *args]
         return argv
 

@@ -24,4 +24,5 @@ RUN pip install "/src[cuda]" \
     else apt-get update && apt-get install -y --no-install-recommends g++ && weightcache build-native \
       && apt-get purge -y --auto-remove g++ && rm -rf /var/lib/apt/lists/*; fi \
  && rm -rf /src
-ENTRYPOINT ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+# vLLM's own server command, as in vLLM's image: the model is its first argument
+ENTRYPOINT ["vllm", "serve"]

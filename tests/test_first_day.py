@@ -102,10 +102,37 @@ def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_
         at = out.find("{", end)
     generated = [a for a in answers if "tokens" in a]
     assert len(generated) == 2, (out, err[-3000:])
+    # each wait prints one answer, the one it waited for, not every 503 before it
+    assert [a["ready"] for a in answers if "tokens" not in a] == [True, True, True], out
     before, after = generated
     assert before["role"] == "primary" and after["role"] == "primary", answers
     assert after["tokens"] == before["tokens"] and len(after["tokens"]) == 8  # the standby, promoted, same weights
     assert "promoted" in err.lower(), err[-3000:]
+
+
+def wait_lines() -> list[str]:
+    """The README's lines that wait for a server: each checks that the process it waits on still lives."""
+    lines = [line for section in ("Serving with vLLM", "The reference engine") for block in bash_blocks(section)
+             for line in block.splitlines() if line.startswith("until curl")]
+    assert len(lines) == 4, lines
+    assert not re.search(r"--retry", "".join(bash_blocks("Serving with vLLM") + bash_blocks("The reference engine")))
+    return lines
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_every_readme_wait_stops_at_once_when_its_process_has_exited(index):
+    """A server that died before it answered: the wait ends within a second or two, saying so once, instead
+    of retrying in silence; the command after it fails at once."""
+    line = wait_lines()[index]
+    port, = free_ports(1)  # nothing listens there
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    pid_var = re.search(r"kill -0 \$(\w+)", line).group(1)
+    script = re.sub(r"localhost:800[01]", f"localhost:{port}", f"{pid_var}={dead.pid}\n{line}")
+    began = time.monotonic()
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
+    assert time.monotonic() - began < 5, (line, done)
+    assert done.stdout.strip() == "" and done.stderr.count("No such process") == 1, (line, done)
 
 
 # -- a standby with no group, or a group with no primary ---------------------------------------

