@@ -24,14 +24,14 @@ from typing import Any
 
 import pytest
 
-from k8s_lab import Lab, ns_path, pods_path, wait_for
+from k8s_lab import REPO, Lab, ns_path, pods_path, wait_for
 from operator_fixtures import LLAMA_SPEC
 from weightcache_agent import agent_status
 from weightcache_agent.serve.agent_main import build_parser
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 from weightcache_operator.api.v1alpha1.engineset_types import parse_engineset
 from weightcache_operator.api.v1alpha1.weightcache_types import SpecError, parse_spec
-from weightcache_operator.config import OperatorConfig
+from weightcache_operator.config import OperatorConfig, control_plane_taint_tolerated
 from weightcache_operator.controller.engineset.manifests import SOCKET_VOLUME, render_pod
 from weightcache_operator.controller.engineset.placement import Placement
 from weightcache_operator.controller.weightcache.manifests import (
@@ -351,4 +351,111 @@ def test_the_admission_policy_refuses_a_writable_socket_mount_in_any_container(k
         status, body = lab.api.request("PUT", pods_path(ns, "good") + "/ephemeralcontainers", pod)
         assert status == 200, body
     finally:
+        lab.delete_namespace(ns)
+
+
+# --- another team's model, and privileged agents on the control plane -----------------------
+
+def test_model_paths_scoped_per_namespace_or_by_an_allow_list() -> None:
+    open_root = OperatorConfig()
+    per_ns = OperatorConfig.from_env({"WEIGHTCACHE_MODEL_PATHS_PER_NAMESPACE": "true",
+                                      "WEIGHTCACHE_MODEL_PATHS_SHARED": "public/, base-models"})
+    allow_list = OperatorConfig.from_env({"WEIGHTCACHE_MODEL_PATHS_SHARED": "public"})
+
+    def refusal(config: OperatorConfig, namespace: str, path: str) -> str | None:
+        try:
+            config.admit_cache(parse_spec({"model": {"path": path}}), namespace)
+        except SpecError as e:
+            assert e.reason == "ModelPathNotAllowed"
+            return e.message
+        return None
+
+    assert refusal(open_root, "team-a", "team-b/secret-model") is None  # the default: the root is shared
+    assert refusal(per_ns, "team-a", "team-a/llama") is None
+    assert refusal(per_ns, "team-a", "public/llama") is None
+    assert refusal(per_ns, "team-a", "base-models") is None
+    assert refusal(per_ns, "team-a", "team-b/secret-model") == (
+        "model.path 'team-b/secret-model' is outside what namespace team-a may load (under the model root: team-a/, "
+        "public/, base-models/; the chart's agent.modelPaths); agents left unchanged")
+    assert refusal(per_ns, "team-a", "team-a-evil/llama") is not None  # a prefix of characters is not a directory
+    assert refusal(per_ns, "team", "team-a/llama") is not None
+    with pytest.raises(SpecError, match="must not contain '..'"):  # no way out of the namespace's root
+        parse_spec({"model": {"path": "team-a/../team-b/x"}})
+    assert refusal(allow_list, "team-a", "public/llama") is None
+    assert refusal(allow_list, "team-a", "team-a/llama") is not None
+    # A PVC is the namespace's own: not scoped further.
+    per_ns.admit_cache(parse_spec({"model": {"pvc": "weights"}}), "team-a")
+    with pytest.raises(ValueError, match="must be a path relative to the model root"):
+        OperatorConfig.from_env({"WEIGHTCACHE_MODEL_PATHS_SHARED": "../etc"})
+
+
+@pytest.mark.parametrize("toleration, tolerated", [
+    ({"operator": "Exists"}, "node-role.kubernetes.io/control-plane:NoSchedule"),
+    ({"operator": "Exists", "effect": "NoSchedule"}, "node-role.kubernetes.io/control-plane:NoSchedule"),
+    ({"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"},
+     "node-role.kubernetes.io/control-plane:NoSchedule"),
+    ({"key": "node-role.kubernetes.io/master", "operator": "Equal", "value": "", "effect": "NoSchedule"},
+     "node-role.kubernetes.io/master:NoSchedule"),
+    ({"operator": "Exists", "effect": "NoExecute"}, None),
+    ({"key": "nvidia.com/gpu", "operator": "Exists"}, None),
+    ({"key": "node-role.kubernetes.io/control-plane", "operator": "Equal", "value": "x"}, None),
+])
+def test_tolerations_of_the_control_planes_taint_are_refused(toleration: dict[str, str], tolerated: str | None) -> None:
+    assert control_plane_taint_tolerated(toleration) == tolerated
+    cs = parse_spec({"model": {"path": "m"}, "tolerations": [{"key": "pool", "operator": "Exists"}, toleration]})
+    if tolerated is None:
+        OperatorConfig().admit_cache(cs, "ml")
+        return
+    with pytest.raises(SpecError) as refused:
+        OperatorConfig().admit_cache(cs, "ml")
+    assert refused.value.reason == "TolerationNotAllowed"
+    assert refused.value.message.startswith(f"tolerations[1] {toleration} tolerates the control plane's taint "
+                                            f"{tolerated}: privileged agents would run on control-plane nodes")
+    OperatorConfig(allow_control_plane_tolerations=True).admit_cache(cs, "ml")  # the admin's choice
+
+
+def test_the_operator_refuses_another_teams_model_and_the_control_plane(k8s_lab: Lab, tmp_path: Any) -> None:
+    """The real operator, configured as the chart's agent.modelPaths.perNamespace sets it, against a
+    namespace editor's WeightCaches: its own model is served, another team's and one whose agents would
+    tolerate the control plane's taint are refused with a condition and an Event, and get no DaemonSet."""
+    lab = k8s_lab
+    lab.apply_crds()
+    ns = lab.namespace("scope")
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'node_agent'}:{REPO / 'operator'}",
+           "WEIGHTCACHE_MODEL_PATHS_PER_NAMESPACE": "true", "WEIGHTCACHE_MODEL_PATHS_SHARED": "",
+           "WEIGHTCACHE_AGENT_ALLOW_CONTROL_PLANE": "false", "WEIGHTCACHE_POLL_INTERVAL": "1"}
+    log = open(tmp_path / "operator.log", "w+")
+    operator = subprocess.Popen([sys.executable, "-m", "weightcache_agent.cli", "operator", "-n", ns,
+                                 "--kubeconfig", str(lab.kubeconfig)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        caches = f"{WC}/namespaces/{ns}/weightcaches"
+        own = {**LLAMA_SPEC, "model": {"path": f"{ns}/llama"}}
+        lab.api.create(caches, weightcache("own", own))
+        lab.api.create(caches, weightcache("theirs", {**LLAMA_SPEC, "model": {"path": "team-b/secret-model"}}))
+        lab.api.create(caches, weightcache("control-plane", {**own, "tolerations": [{"operator": "Exists"}]}))
+        wait_for(lambda: lab.api.get_or_none(ns_path(ns, "daemonsets", "own-agent", group="apps")),
+                 timeout=60, what="the DaemonSet of the cache on the namespace's own model")
+
+        def degraded(name: str, reason: str) -> dict[str, Any] | None:
+            conditions = (lab.api.get(f"{caches}/{name}").get("status") or {}).get("conditions") or []
+            return next((c for c in conditions if c["type"] == "Degraded" and c["status"] == "True"
+                         and c.get("reason") == reason), None)
+        theirs = wait_for(lambda: degraded("theirs", "ModelPathNotAllowed"), timeout=60, what="the model refusal")
+        assert theirs["message"].startswith(f"model.path 'team-b/secret-model' is outside what namespace {ns} may "
+                                            f"load (under the model root: {ns}/;")
+        cp = wait_for(lambda: degraded("control-plane", "TolerationNotAllowed"), timeout=60,
+                      what="the toleration refusal")
+        assert "tolerates the control plane's taint node-role.kubernetes.io/control-plane:NoSchedule" in cp["message"]
+        for name in ("theirs", "control-plane"):
+            assert lab.api.get_or_none(ns_path(ns, "daemonsets", f"{name}-agent", group="apps")) is None, name
+        events = wait_for(lambda: [e for e in lab.api.get(ns_path(ns, "events"))["items"]
+                                   if e.get("reason") in ("ModelPathNotAllowed", "TolerationNotAllowed")
+                                   and e.get("type") == "Warning"] or None, timeout=30, what="Warning Events")
+        assert {e["involvedObject"]["name"] for e in events} >= {"theirs", "control-plane"}, events
+        log.seek(0)
+        assert "Traceback" not in log.read()
+    finally:
+        operator.terminate()
+        operator.wait(30)
+        log.close()
         lab.delete_namespace(ns)

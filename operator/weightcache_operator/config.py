@@ -13,7 +13,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from .api.v1alpha1.weightcache_types import SpecError
+from .api.v1alpha1.weightcache_types import CacheSpec, SpecError
 
 # Defaults match the chart's values.yaml; a test checks that they agree.
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
@@ -25,6 +25,26 @@ SOCKET_ROOT = "/run/weightcache"
 AGENT_HTTP_PORT = 9464
 
 ENV_PREFIX = "WEIGHTCACHE_"
+# The taints kubeadm and most distributions put on control-plane nodes (the second, older name
+# is still found on long-lived clusters).
+CONTROL_PLANE_TAINTS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+
+
+def control_plane_taint_tolerated(toleration: Mapping[str, object]) -> str | None:
+    """The control-plane taint (key:NoSchedule) `toleration` tolerates, or None.
+
+    As the scheduler matches: an empty key with operator Exists tolerates every taint; the
+    effect, when set, must be the taint's (NoSchedule); these taints carry no value."""
+    key = toleration.get("key") or ""
+    operator = toleration.get("operator") or "Equal"
+    effect = toleration.get("effect") or ""
+    if effect not in ("", "NoSchedule"):
+        return None
+    if not key and operator == "Exists":
+        return f"{CONTROL_PLANE_TAINTS[0]}:NoSchedule"
+    if key in CONTROL_PLANE_TAINTS and (operator == "Exists" or not toleration.get("value")):
+        return f"{key}:NoSchedule"
+    return None
 
 
 def _env_seconds(name: str, value: str) -> float:
@@ -73,6 +93,14 @@ class OperatorConfig:
     runtime_class: str = ""
     # Host directory with the models; mounted read-only into the agents.
     model_root: str = DEFAULT_MODEL_ROOT
+    # Which model.path a WeightCache of a namespace may name (the model root is shared by every
+    # namespace): per_namespace, only under "<namespace>/"; shared, under one of these prefixes
+    # (for any namespace). Both unset: any path under the root.
+    model_paths_per_namespace: bool = False
+    model_paths_shared: tuple[str, ...] = ()
+    # A WeightCache's tolerations put privileged agents where they tolerate: those that tolerate
+    # the control plane's taint are refused unless the admin allows them.
+    allow_control_plane_tolerations: bool = False
     # How often each WeightCache's agents are polled for their state (seconds).
     poll_interval: float = 15.0
     # Per-request timeout when reading an agent's /status (seconds).
@@ -112,6 +140,12 @@ class OperatorConfig:
             kwargs["runtime_class"] = v.strip()
         if (v := get("MODEL_ROOT")):
             kwargs["model_root"] = v
+        if (v := get("MODEL_PATHS_PER_NAMESPACE")) is not None:
+            kwargs["model_paths_per_namespace"] = _env_bool(v)
+        if (v := get("MODEL_PATHS_SHARED")) is not None:
+            kwargs["model_paths_shared"] = tuple(s.strip().strip("/") for s in v.split(",") if s.strip().strip("/"))
+        if (v := get("AGENT_ALLOW_CONTROL_PLANE")) is not None:
+            kwargs["allow_control_plane_tolerations"] = _env_bool(v)
         if (v := get("POLL_INTERVAL")):
             kwargs["poll_interval"] = _env_seconds(ENV_PREFIX + "POLL_INTERVAL", v)
         if (v := get("AGENT_HTTP_TIMEOUT")):
@@ -139,6 +173,10 @@ class OperatorConfig:
             raise ValueError("the control key must be at least 16 bytes")
         if not (1 <= self.max_node_entries <= 32):
             raise ValueError("max node entries must be within the CRD's bound (1..32)")
+        for prefix in self.model_paths_shared:
+            if prefix.startswith("/") or ".." in prefix.split("/") or not prefix.strip("/"):
+                raise ValueError(f"shared model path {prefix!r} must be a path relative to the model root, "
+                                 "without '..'")
         return self
 
     def agent_image_for(self, requested: str | None) -> str:
@@ -151,6 +189,33 @@ class OperatorConfig:
                         f"agent.image {requested!r} is not an image the cluster admin allows for agents "
                         f"(allowed: {allowed}; the chart's agent.image and agent.allowedImages); "
                         "agents left unchanged")
+
+    def model_path_allowed(self, namespace: str, path: str) -> bool:
+        """Whether a WeightCache in `namespace` may load `path` (normalized, relative to the model root)."""
+        if not self.model_paths_per_namespace and not self.model_paths_shared:
+            return True
+        roots = ((namespace,) if self.model_paths_per_namespace else ()) + self.model_paths_shared
+        return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+    def admit_cache(self, cs: CacheSpec, namespace: str) -> None:
+        """Refuse, with a SpecError, what the admin has not allowed a namespace's WeightCache: its agent
+        image, a model path outside the namespace's roots, tolerations of the control plane's taint."""
+        self.agent_image_for(cs.agent_image)
+        if cs.model_path is not None and not self.model_path_allowed(namespace, cs.model_path):
+            roots = ([f"{namespace}/"] if self.model_paths_per_namespace else []) + \
+                [f"{p.rstrip('/')}/" for p in self.model_paths_shared]
+            raise SpecError("ModelPathNotAllowed",
+                            f"model.path {cs.model_path!r} is outside what namespace {namespace} may load "
+                            f"(under the model root: {', '.join(roots)}; the chart's agent.modelPaths); "
+                            "agents left unchanged")
+        if not self.allow_control_plane_tolerations:
+            for i, t in enumerate(cs.tolerations):
+                taint = control_plane_taint_tolerated(t)
+                if taint is not None:
+                    raise SpecError("TolerationNotAllowed",
+                                    f"tolerations[{i}] {dict(t)} tolerates the control plane's taint {taint}: "
+                                    "privileged agents would run on control-plane nodes (the cluster admin allows "
+                                    "that with the chart's agent.allowControlPlaneTolerations); agents left unchanged")
 
     def replace(self, **changes: object) -> "OperatorConfig":
         return dataclasses.replace(self, **changes).checked()  # type: ignore[arg-type]

@@ -212,7 +212,8 @@ class Reconciler(ObjectReconciler):
 
         try:
             cs = parse_spec(plain(body.get("spec") or {}))
-            self.config.agent_image_for(cs.agent_image)  # privileged: only an image the admin allows
+            # Privileged agents: only the image, model paths and nodes the admin allows this namespace.
+            self.config.admit_cache(cs, namespace)
         except SpecError as e:
             if not holds(old_status.get("conditions"), DEGRADED, "True", e.reason):  # once, not every poll
                 logger.warning(f"invalid spec, agents left unchanged: {e.message}")
