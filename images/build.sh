@@ -4,7 +4,7 @@
 #
 #   images/build.sh [--debian-base [--cpu-torch VERSION]] [--out DIR] [--storage DIR] [IMAGE...]
 #
-# IMAGE: agent, operator (the default: both), vllm. Each is tagged localhost/weightcache-IMAGE:VERSION
+# IMAGE: agent, operator (the default: both), vllm (on vLLM's image only: not with --debian-base). Each is tagged localhost/weightcache-IMAGE:VERSION
 # (VERSION from pyproject.toml) and written to DIR/IMAGE.tar (--out DIR; dist/images/ by default).
 #   --debian-base      build on a Debian bookworm made here with mmdebstrap (python3 and its venv
 #                      module), one base for every image, instead of each Dockerfile's public BASE:
@@ -36,6 +36,11 @@ done
 if [ -n "$cpu_torch" ] && [ "$debian" = 0 ]; then
   echo "images/build.sh: --cpu-torch needs --debian-base (its wheel is for that base's Python 3.11)" >&2; exit 2
 fi
+for image in "${images[@]}"; do
+  if [ "$image" = vllm ] && [ "$debian" = 1 ]; then
+    echo "images/build.sh: the vllm image builds on vLLM's own image (its Dockerfile's BASE), not on --debian-base; build it without --debian-base" >&2; exit 2
+  fi
+done
 cd "$root"
 version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 work=$(mktemp -d "${TMPDIR:-/tmp}/weightcache-images.XXXXXX")

@@ -65,6 +65,18 @@ def test_operator_image_installs_what_pyproject_says_the_operator_needs():
     assert installed == needed
 
 
+@pytest.mark.parametrize("argv", [["--debian-base", "vllm"], ["--debian-base", "--cpu-torch", TORCH, "agent", "vllm"]])
+def test_build_refuses_the_vllm_image_on_the_debian_base_at_once_in_one_line(argv, tmp_path):
+    """vLLM's image is the vllm image's base: on the Debian base its build could only fail, minutes in."""
+    began = time.monotonic()
+    done = subprocess.run([IMAGES / "build.sh", *argv, "--out", tmp_path / "out"], capture_output=True, text=True,
+                          timeout=60)
+    assert time.monotonic() - began < 5 and done.returncode == 2, done
+    assert done.stderr.splitlines() == ["images/build.sh: the vllm image builds on vLLM's own image (its Dockerfile's "
+                                        "BASE), not on --debian-base; build it without --debian-base"], done.stderr
+    assert not (tmp_path / "out").exists()  # nothing started
+
+
 # The built images.
 
 def buildah(where: pathlib.Path, *argv: object, timeout: float = 300) -> subprocess.CompletedProcess:
