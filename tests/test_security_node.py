@@ -199,3 +199,48 @@ def test_status_without_a_usable_control_token_shows_no_lease_holders(model, wor
         if lease is not None:
             lease.close()
         assert node.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_socket_directory_the_kubelet_made_0755_is_narrowed_to_0750(model, workdir):
+    """`hostPath: DirectoryOrCreate` makes the directory 0755, root's: before, every local user could
+    list and reach the sockets in it. The node agent makes it 0750 with the socket group, so a
+    local user outside that group cannot even traverse it, while a member still connects."""
+    from agent_fixtures import in_child_as
+
+    sockets = os.path.join(workdir, "kubelet-made")
+    os.makedirs(sockets)
+    os.chmod(sockets, 0o755)  # as the kubelet leaves it
+    node = Node(model, sockets, os.path.join(workdir, "kubelet-node"), "--socket-group", "65534")
+    try:
+        ready = node.wait(lambda s: s["phase"] == "Ready", "Ready node")
+        st = os.stat(sockets)
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o750, 65534), oct(st.st_mode)
+        sock = ready["ranks"][0]["socket"]
+
+        def look() -> dict[str, Any]:
+            out: dict[str, Any] = {}
+            try:
+                out["listing"] = os.listdir(sockets)
+            except OSError as e:
+                out["listing"] = e.errno
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.connect(sock)
+                out["connect"] = "ok"
+            except OSError as e:
+                out["connect"] = e.errno
+            finally:
+                s.close()
+            return out
+
+        def failed(e: BaseException) -> dict[str, Any]:
+            return {"error": repr(e)}
+
+        import errno
+        outsider = in_child_as(12345, 12345, look, failed)
+        assert outsider == {"listing": errno.EACCES, "connect": errno.EACCES}, outsider
+        member = in_child_as(65534, 65534, look, failed)  # the socket group's member still gets in
+        assert member["connect"] == "ok", member
+    finally:
+        assert node.stop() == 0

@@ -26,7 +26,9 @@ from __future__ import annotations
 import errno
 import grp
 import json
+import logging
 import os
+import re
 import socket
 import stat
 import struct
@@ -41,6 +43,8 @@ PARENT_MODE = 0o755
 STATE_MODE = 0o600
 MAX_SOCKET_PATH = 107  # sun_path is 108 bytes with the terminating NUL
 MAX_STATE_BYTES = 1 << 20
+
+log = logging.getLogger(__name__)
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13+
 
 
@@ -121,6 +125,44 @@ def prepare_dir(directory: str, policy: SocketPolicy) -> None:
                           "who could remove the agent's lock and state files: make it 0750")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise AccessError(f"socket directory {directory} is not writable by the agent")
+    _narrow(directory, st, policy)
+
+
+# What an agent keeps in its socket directory: sockets, their hidden lock/state/digest/record files
+# and logs (all named after a `.sock`), and the record of which cache the directory serves.
+_AGENT_FILES = re.compile(r"^(\.?[^/]*\.sock(\..*)?|\.weightcache-cache)$")
+
+
+def _narrow(directory: str, st: os.stat_result, policy: SocketPolicy) -> None:
+    """Make an existing socket directory 0750 (group: the socket group), as one the agent creates.
+
+    The kubelet creates a hostPath `DirectoryOrCreate` 0755: every local user could then list the
+    sockets and reach them (the socket's 0660 and the peer check still refuse them, but the
+    directory should not be the weaker door). Changed only where the directory is the agent's
+    own: not sticky (a shared directory like /tmp is left alone) and holding nothing but agent
+    files; anywhere else the mode is left as it is and said once."""
+    mode = stat.S_IMODE(st.st_mode)
+    gid = policy.gid if policy.gid is not None else os.getegid()
+    if (not mode & 0o007 and st.st_gid == gid) or mode & stat.S_ISVTX:
+        return
+    try:
+        foreign = [n for n in os.listdir(directory) if not _AGENT_FILES.match(n)]
+    except OSError:
+        return
+    if foreign:
+        if mode & 0o007:
+            log.warning("socket directory %s is mode %o and holds other files (%s): left as it is; every local user "
+                        "may traverse it (the socket's own mode and peer check still refuse them)", directory, mode,
+                        ", ".join(sorted(foreign)[:3]))
+        return
+    try:
+        if st.st_gid != gid:
+            os.chown(directory, -1, gid)
+        os.chmod(directory, DIR_MODE)
+    except OSError as e:
+        raise AccessError(f"cannot make socket directory {directory} 0750: {e.strerror or e}") from None
+    if mode != DIR_MODE:
+        log.info("socket directory %s: mode %o -> %o (group %d)", directory, mode, DIR_MODE, gid)
 
 
 def _make_dirs(directory: str) -> None:
