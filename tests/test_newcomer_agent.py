@@ -77,22 +77,25 @@ TIMESTAMP = re.compile(rb"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?:INFO|WARNING|E
 
 def screen(raw: bytes) -> list[bytes]:
     """The lines a terminal shows for `raw`: a carriage return goes back to column 0, what follows
-    overwrites; a newline ends the line. (Anything that moves the cursor up fails the test.)"""
+    overwrites; a newline ends the line. A column holds one character (a bar's block is three bytes
+    of UTF-8). (Anything that moves the cursor up fails the test.)"""
     assert b"\x1b[A" not in raw, "the output moves the cursor up"
-    lines, line, col = [], bytearray(), 0
-    for byte in raw:
-        if byte == 0x0D:
+    lines: list[bytes] = []
+    line: list[str] = []
+    col = 0
+    for char in raw.decode("utf-8", errors="replace"):
+        if char == "\r":
             col = 0
-        elif byte == 0x0A:
-            lines.append(bytes(line).rstrip())
-            line, col = bytearray(), 0
+        elif char == "\n":
+            lines.append("".join(line).rstrip().encode())
+            line, col = [], 0
         else:
             if col < len(line):
-                line[col] = byte
+                line[col] = char
             else:
-                line.append(byte)
+                line.append(char)
             col += 1
-    lines.append(bytes(line).rstrip())
+    lines.append("".join(line).rstrip().encode())
     return lines
 
 
@@ -153,3 +156,54 @@ def test_log_lines_on_a_terminal_start_at_column_0_and_the_bar_never_overwrites_
     assert misplaced == [], b"\n".join(misplaced).decode(errors="replace")
     assert len(at_column_0) == records, "a log line was overwritten"
     assert any(b" loading " in line for line in at_column_0) and any(b" loaded " in line for line in at_column_0)
+
+
+# Many threads log while progress bars start, advance and finish on the same stream: every record
+# must come out as one whole line from column 0. A handler swapped at a bar's start or end (what
+# tqdm's logging redirect does) lets a line land inside another line or a bar; this loop makes
+# that happen on every run of such code.
+LOG_STORM = r"""
+import logging, sys, threading
+from weightcache_agent.logs import configure
+from weightcache_agent.load.progress import LoadProgress
+
+configure()
+stop = threading.Event()
+
+def talk(i):
+    n = 0
+    while not stop.is_set():
+        logging.getLogger("storm").warning("thread %d line %d", i, n)
+        n += 1
+
+threads = [threading.Thread(target=talk, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for _ in range(100):
+    progress = LoadProgress()
+    progress.start(4096, 8, show_bar=True)
+    for _ in range(8):
+        progress.advance(512, 1)
+    progress.finish()
+stop.set()
+for t in threads:
+    t.join()
+"""
+
+
+def test_log_lines_from_many_threads_stay_whole_while_bars_start_and_finish(tmp_path):
+    err = tmp_path / "stderr"
+    with open(err, "wb") as f:
+        done = subprocess.run([sys.executable, "-c", LOG_STORM], stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                              timeout=120)
+    out = err.read_bytes()
+    assert done.returncode == 0, out[-2000:].decode(errors="replace")
+    assert out.count(b"reading: ") >= 100, "no progress bar was drawn"
+    records = len(TIMESTAMP.findall(out))
+    assert records > 100, f"only {records} lines were logged"
+    shown = screen(out)
+    whole = [line for line in shown if TIMESTAMP.match(line) and len(TIMESTAMP.findall(line)) == 1
+             and re.fullmatch(rb".* WARNING storm: thread \d+ line \d+", line)]
+    broken = [line for line in shown if TIMESTAMP.search(line) and line not in whole]
+    assert broken == [], b"\n".join(broken[:5]).decode(errors="replace")
+    assert len(whole) == records, f"{records - len(whole)} of {records} lines were overwritten"

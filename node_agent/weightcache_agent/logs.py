@@ -1,5 +1,10 @@
 """Logging set-up shared by the agent and the operator: text for people, JSON for collectors; and
-the steps of a process's start-up as seconds since it started, which agents and engines report."""
+the steps of a process's start-up as seconds since it started, which agents and engines report.
+
+A process has one stderr handler for its whole life. It writes each record as one whole line
+under `TERMINAL_LOCK`, the lock a progress bar (`load.progress`) draws under too; while a bar
+is drawn the handler clears it, writes the line from column 0 and draws the bar again below.
+Nothing swaps handlers while threads log, so no line can land inside another line or a bar."""
 from __future__ import annotations
 
 import json
@@ -8,6 +13,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 
 class JsonFormatter(logging.Formatter):
@@ -23,8 +29,46 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+# Held for every write to the terminal: a log line, or a progress bar's drawing (tqdm is told to
+# use it). Reentrant, because a bar redrawn after a line is drawn while the line's write holds it.
+TERMINAL_LOCK = threading.RLock()
+_bar_class: Any = None  # tqdm, once a progress bar may be drawn in this process
+
+
+def share_terminal_with_bars(bar_class: Any) -> None:
+    """Make progress bars of `bar_class` (tqdm) draw under `TERMINAL_LOCK`, and every log line
+    clear them before it is written and draw them again after. Call before the first bar."""
+    global _bar_class
+    with TERMINAL_LOCK:
+        bar_class.set_lock(TERMINAL_LOCK)
+        _bar_class = bar_class
+
+
+class LineHandler(logging.StreamHandler):
+    """A stream handler that writes each record whole (one write, newline included) under
+    `TERMINAL_LOCK`, clearing any progress bar on the same terminal first and redrawing it after."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + self.terminator
+            with TERMINAL_LOCK:
+                if _bar_class is None:
+                    self._write(line)
+                else:
+                    with _bar_class.external_write_mode(file=self.stream, nolock=True):
+                        self._write(line)
+        except RecursionError:
+            raise
+        except Exception:
+            self.handleError(record)
+
+    def _write(self, line: str) -> None:
+        self.stream.write(line)
+        self.stream.flush()
+
+
 def configure(fmt: str = "text", level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LineHandler(sys.stderr)
     if fmt == "json":
         handler.setFormatter(JsonFormatter())
     else:

@@ -4,9 +4,9 @@ The fill pipelines (`pipeline`, `cuda_fill`) advance one `LoadProgress` from the
 threads; the agent's status reads its counters racily (plain ints). Where a person
 watches a terminal, a tqdm bar draws them; where nobody does (`kubectl logs`, a log
 file, a supervisor's worker) a ticker thread logs one line every few seconds instead, so
-a load of minutes is never silent between "listening" and "loaded". While the bar is drawn,
-log lines to the terminal go through tqdm (`logging_redirect_tqdm`): the bar is cleared, the
-line written from column 0, the bar drawn again below it, so neither overwrites the other.
+a load of minutes is never silent between "listening" and "loaded". The bar draws under the
+lock the process's log handler writes under (`logs.TERMINAL_LOCK`), and that handler clears
+the bar, writes its line from column 0 and draws the bar again, so neither overwrites the other.
 Kept apart from the plan types (which need torch), and importing nothing heavy, so that an
 agent serving a re-adopted arena reports its progress without importing torch.
 
@@ -92,7 +92,6 @@ class LoadProgress:
     quantization: str = "none"
     started: float = field(default_factory=time.monotonic)
     _bar: Any = None
-    _redirect: Any = None  # while the bar is drawn: log lines to the terminal go above it
     _stop: threading.Event | None = None
 
     def start(self, bytes_total: int, tensors_total: int, show_bar: bool, *, bytes_resident: int = 0,
@@ -104,13 +103,16 @@ class LoadProgress:
         self.started = time.monotonic()
         if show_bar:
             from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
 
-            self._redirect = logging_redirect_tqdm()
-            self._redirect.__enter__()
-            self._bar = tqdm(total=bytes_total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading",
-                             file=sys.stderr)
-            self._bar.set_postfix_str(f"0/{tensors_total} source tensors", refresh=False)
+            from ..logs import TERMINAL_LOCK, share_terminal_with_bars
+
+            share_terminal_with_bars(tqdm)
+            # Held across the whole construction: tqdm draws the bar before it marks the bar started,
+            # and a log line in between would not know to clear it.
+            with TERMINAL_LOCK:
+                self._bar = tqdm(total=bytes_total, unit="B", unit_scale=True, unit_divisor=1024, desc="reading",
+                                 file=sys.stderr)
+                self._bar.set_postfix_str(f"0/{tensors_total} source tensors", refresh=False)
         elif log_every > 0:
             self._stop = threading.Event()
             threading.Thread(target=self._tick, args=(self._stop, log_every, what), name="progress",
@@ -129,11 +131,11 @@ class LoadProgress:
             self._stop.set()
             self._stop = None
         if self._bar is not None:
-            self._bar.close()
+            from ..logs import TERMINAL_LOCK
+
+            with TERMINAL_LOCK:  # tqdm forgets the bar before its last drawing: no line may come between
+                self._bar.close()
             self._bar = None
-        if self._redirect is not None:
-            self._redirect.__exit__(None, None, None)
-            self._redirect = None
 
     def _tick(self, stop: threading.Event, every: float, what: str) -> None:
         while not stop.wait(every):
