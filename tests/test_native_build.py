@@ -225,3 +225,25 @@ def test_an_unreadable_home_does_not_break_the_import(tmp_path, readable_package
     assert answer["with_home"] == answer["without_home"]
     assert answer["without_home"] == "None" or os.path.dirname(answer["without_home"]) == answer["beside"]
     assert answer["loaded"] == (answer["without_home"] != "None")
+
+
+def test_remove_deletes_every_build_where_engines_look_and_nothing_else(tmp_path):
+    """`build-native --remove`, before `pip uninstall`: the builds of any torch and their hash records go,
+    each named once; other files stay; a second run says there is nothing left."""
+    place, extra = tmp_path / "place", tmp_path / "into"
+    place.mkdir()
+    extra.mkdir()
+    planted = [place / "_bindtorch-0123456789abcdef.so", place / "_bindtorch-0123456789abcdef.so.sha256",
+               place / "_bindtorch-fedcba9876543210.so", extra / "_bindtorch-0123456789abcdef.so"]
+    kept = [place / "_bindfast.so", place / "notes.txt", extra / "_bindtorch.cpp"]
+    for path in planted + kept:
+        path.write_text("x")
+    done = run_cli("--remove", "--into", str(extra), env={native_build.ENV_DIR: str(place)})
+    assert done.returncode == 0, done.stderr
+    assert sorted(done.stdout.splitlines()) == sorted(f"removed {p}" for p in planted)
+    assert [p for p in planted if p.exists()] == [] and all(p.exists() for p in kept)
+    again = run_cli("--remove", env={native_build.ENV_DIR: str(place)})
+    assert (again.returncode, again.stdout.strip()) == (0, f"no build to remove in {place}"), again
+    both = run_cli("--remove", "--check", env={native_build.ENV_DIR: str(place)})
+    assert both.returncode == 2 and both.stderr.strip().splitlines()[-1] == \
+        "weightcache build-native: --check and --remove are two commands: give one", both.stderr

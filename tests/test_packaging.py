@@ -108,3 +108,25 @@ def test_the_vllm_environment_ci_tests_is_installed_by_the_docs_cpu_lines():
     assert 'tests/vllm_venv.sh "${TMPDIR:-/tmp}/wc-vllm-venv"' in (ROOT / ".ci" / "run").read_text()
     # the environment the docs prepare for these lines: the one the script makes
     assert "uv venv -p 3.11 .venv-vllm && source .venv-vllm/bin/activate" in doc
+
+
+SECONDS_FIGURE = re.compile(r"\b\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)? s\b")
+
+
+def test_build_native_time_is_given_in_one_place_one_figure_per_machine():
+    """docs/install.md's table gives `weightcache build-native`'s time per machine; the README, the other
+    docs and the command itself point there instead of quoting figures of their own."""
+    install = (ROOT / "docs" / "install.md").read_text()
+    section = install.split("\n### The row binder: `weightcache build-native`\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and SECONDS_FIGURE.search(line)]
+    machines = [row.split("|")[1].strip() for row in rows]
+    assert len(rows) >= 2 and len(set(machines)) == len(machines), rows
+    assert all(len(SECONDS_FIGURE.findall(row)) == 1 for row in rows), rows
+    elsewhere = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+                 *sorted((ROOT / "node_agent" / "weightcache_agent" / "client").glob("native_*.py"))]
+    for path in elsewhere:
+        text = path.read_text().replace(section, "") if path.name == "install.md" else path.read_text()
+        # paragraphs, list items, sentences
+        for sentence in re.split(r"\n\s*\n|\n\s*- |(?<=\.)\s+(?=[A-Z`(])", text):
+            if "build-native" in sentence:
+                assert not SECONDS_FIGURE.search(sentence), (path.name, sentence)

@@ -61,7 +61,16 @@ def test_wheel_carries_the_row_binder_sources_and_both_commands(dist):
         assert script in entry_points
 
 
-def test_wheel_in_a_fresh_venv_serves_an_engine(dist, tmp_path):
+def install_line() -> str:
+    """docs/install.md's command that installs the built wheel, as a user types it."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    line, = [l for l in text.splitlines() if l.startswith("python -m pip install ") and "dist/" in l and ".whl" in l]
+    return line
+
+
+def test_wheel_in_a_fresh_venv_serves_an_engine_and_uninstalls_without_a_trace(dist, tmp_path, native_build_dir):
+    """docs/install.md's install line run as written (from a folder holding dist/), the engine served, then
+    `weightcache build-native` and `pip uninstall weightcache`: nothing of the package is left."""
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv)
     python = venv / "bin" / "python"
@@ -70,8 +79,13 @@ def test_wheel_in_a_fresh_venv_serves_an_engine(dist, tmp_path):
     local = re.search(r"\+(\w+)$", torch.__version__)
     extra = ["--extra-index-url", f"https://download.pytorch.org/whl/{local.group(1)}"] if local else []
     run(python, "-m", "pip", "install", "-q", "--retries", "0", "--no-deps", f"torch=={torch.__version__}", *extra)
-    run(python, "-m", "pip", "install", "-q", dist["wheel"])
+    user = tmp_path / "user"
+    (user / "dist").mkdir(parents=True)
+    (user / "dist" / dist["wheel"].name).write_bytes(dist["wheel"].read_bytes())
+    path = dict(os.environ, PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}")  # as `source venv/bin/activate`
+    run("bash", "-c", install_line(), cwd=user, env=path)
     assert "weightcache" in run(venv / "bin" / "weightcache", "--help").stdout
+    run(python, "-c", "import kopf, kubernetes")  # the operator extra came with it
     smoke = run(python, ROOT / "images" / "smoke.py", cwd=tmp_path, timeout=300)
     report = json.loads(smoke.stdout.strip().splitlines()[-1])
     assert report["package"].startswith(str(venv)), report  # the wheel's copy, not this checkout's
@@ -79,3 +93,20 @@ def test_wheel_in_a_fresh_venv_serves_an_engine(dist, tmp_path):
     assert (report["status_phase"], report["source"], report["equal"]) == ("ready", "agent", True), report
     if os.environ.get("CI"):  # CI's machine has a C compiler: the wheel's C extensions are built and used
         assert report["bind"] == "c", report
+
+    # `weightcache build-native` in the venv, its compiler a cache of the build this session made for the
+    # same torch and source (the same key): the command's own placement, check and registration run
+    from weightcache_agent.client import native_build
+    prebuilt = native_build_dir / native_build.library_name(native_build.key())
+    cxx = tmp_path / "cached-c++"
+    cxx.write_text(f'#!/bin/sh\nwhile [ "$1" != -o ]; do shift; done\ncp {prebuilt} "$2"\n')
+    cxx.chmod(0o755)
+    site = pathlib.Path(run(python, "-c", "import weightcache_agent, os; print(os.path.dirname("
+                                           "weightcache_agent.__file__))").stdout.strip())
+    built = run(venv / "bin" / "weightcache", "build-native", env=dict(os.environ, CXX=str(cxx)))
+    assert sorted(p.name for p in (site / "client").glob("_bindtorch-*")) == [prebuilt.name, prebuilt.name + ".sha256"]
+    assert f"built {site / 'client' / prebuilt.name}" in built.stdout, built.stdout
+    run(python, "-m", "pip", "uninstall", "-y", "weightcache")
+    assert not site.exists(), sorted(str(p.relative_to(site)) for p in site.rglob("*"))
+    gone = subprocess.run([python, "-c", "import weightcache_agent"], capture_output=True, text=True, cwd=tmp_path)
+    assert gone.returncode != 0 and "ModuleNotFoundError" in gone.stderr, gone

@@ -3,7 +3,7 @@
 The C bind (`_bindfast`) is plain CPython and `pip install` builds it for any torch. The
 row binder uses torch's C++ API, so it has to be compiled against the very torch an engine
 runs, after that torch is installed: `weightcache build-native` (a C++ compiler and the
-torch wheel's own headers; 10-20 s) writes `_bindtorch-KEY.so`, where KEY hashes the
+torch wheel's own headers; its time per machine: docs/install.md) writes `_bindtorch-KEY.so`, where KEY hashes the
 torch version, its git revision, the C++ ABI, the Python ABI and the source. `load()` looks
 for the file of the running torch's KEY only, so an upgraded torch never loads a stale
 build: attaches then bind without it, slower by about a microsecond per tensor.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import os
 import stat
@@ -222,7 +223,39 @@ def build(into: Path | None = None, compiler: str | None = None) -> Path:
     os.chmod(partial, 0o755)
     _write_record(into / record_name(build_key), digest)
     os.replace(partial, target)
+    _register_with_installer(target)
     return target
+
+
+def _register_with_installer(target: Path) -> None:
+    """A build beside the installed package goes into the distribution's RECORD, the list of files
+    `pip uninstall weightcache` (and uv's) removes, so that no build outlives the package."""
+    try:
+        dist = importlib.metadata.distribution("weightcache")
+        record = Path(next(f for f in dist.files or () if f.name == "RECORD" and f.parent.name.endswith(
+            ".dist-info")).locate())  # the installed .dist-info's
+        base = Path(dist.locate_file("")).resolve()
+        names = [target.relative_to(base).as_posix(), target.with_name(target.name + RECORD_SUFFIX)
+                 .relative_to(base).as_posix()]
+        listed = record.read_text()
+    except (importlib.metadata.PackageNotFoundError, StopIteration, ValueError, OSError):
+        return  # not installed, or the build is elsewhere (--into, the cache): `build-native --remove` removes it
+    missing = [name for name in names if f"\n{name}," not in "\n" + listed]
+    if missing:
+        with open(record, "a") as f:
+            f.write(("" if listed.endswith("\n") or not listed else "\n") + "".join(f"{n},,\n" for n in missing))
+
+
+def builds() -> list[Path]:
+    """Every build and hash record in `places()`, of any torch: what `build-native --remove` removes."""
+    found = []
+    for place in places():
+        try:
+            found += sorted(p for p in place.iterdir() if p.name.startswith("_bindtorch-")
+                            and p.name.endswith((".so", ".so" + RECORD_SUFFIX)))
+        except OSError:  # absent or unreadable: nothing of ours there
+            continue
+    return found
 
 
 def _write_record(path: Path, digest: str) -> None:
