@@ -3,6 +3,7 @@ releases docs/compatibility.md says were run, and the suite's pytest configurati
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import subprocess
 import sys
@@ -130,3 +131,30 @@ def test_build_native_time_is_given_in_one_place_one_figure_per_machine():
         for sentence in re.split(r"\n\s*\n|\n\s*- |(?<=\.)\s+(?=[A-Z`(])", text):
             if "build-native" in sentence:
                 assert not SECONDS_FIGURE.search(sentence), (path.name, sentence)
+
+
+def test_the_readme_says_where_the_control_plane_tests_find_their_binaries(tmp_path, monkeypatch):
+    """The README's "Run the tests": KUBEBUILDER_ASSETS, else ../shared/k8s beside the clone (bin/*.xz, with
+    etcd and kubectl on PATH), as the lab looks for them."""
+    import shutil
+
+    import k8s_lab
+
+    section = (ROOT / "README.md").read_text().split("\n## Run the tests\n", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(section.split())
+    assert "`KUBEBUILDER_ASSETS`" in said and "from `../shared/k8s` beside the clone (its `bin/*.xz`, with `etcd` " \
+        "and `kubectl` on `PATH`)" in said, said
+    assert k8s_lab.SHARED_K8S == ROOT.parent / "shared" / "k8s"
+    if shutil.which("openssl") is None or shutil.which("curl") is None:
+        pytest.skip("the lab needs openssl and curl")
+    shared, tools = tmp_path / "shared" / "k8s", tmp_path / "tools"
+    (shared / "bin").mkdir(parents=True)
+    tools.mkdir()
+    for name in ("etcd", "kubectl"):
+        (tools / name).write_text("#!/bin/sh\n")
+        (tools / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    assert "no binaries at" in k8s_lab.unavailable_reason(shared, None)
+    for name in k8s_lab.BINARIES:
+        (shared / "bin" / f"{name}.xz").write_bytes(b"")
+    assert k8s_lab.unavailable_reason(shared, None) is None
