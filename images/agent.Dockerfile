@@ -13,27 +13,38 @@
 # with a CPU torch wheel: --build-arg BASE=... TORCH=/tmp/torch-...whl TORCH_INDEX=https://pypi.org/simple).
 ARG BASE=docker.io/nvidia/cuda:13.0.0-base-ubuntu24.04
 FROM ${BASE}
+LABEL org.opencontainers.image.title="weightcache-agent" org.opencontainers.image.licenses="Apache-2.0"
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT
 # A requirement or a wheel file, and the index it and its dependencies come from.
 ARG TORCH=torch==2.13.0
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
+# The pip the image keeps, newer than the one the base's venv module bundles (scanners flag that one);
+# images/minimum-versions.txt lists what no package of the image may be older than.
+ARG PIP=pip==26.3
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PATH=/opt/weightcache/bin:$PATH
+COPY LICENSE /usr/share/doc/weightcache/LICENSE
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends python3 python3-venv \
- && rm -rf /var/lib/apt/lists/* \
+ && apt-get clean && rm -rf /var/lib/apt/lists/* \
  && python3 -m venv /opt/weightcache \
+ && pip install --upgrade "$PIP" \
  && pip install "$TORCH" --index-url "$TORCH_INDEX"
-COPY pyproject.toml setup.py MANIFEST.in README.md /src/
+COPY pyproject.toml setup.py MANIFEST.in README.md LICENSE /src/
 COPY node_agent /src/node_agent
 COPY operator /src/operator
 # A compiler only while building: setup.py's C extensions, then `weightcache build-native`, which
 # compiles the row binder against the torch above, beside the package (where engines look first).
-RUN apt-get update \
+# Every Debian package this step installs (compilers, binutils, headers) is purged after it, the
+# downloaded .debs with them; setuptools goes too (nothing in the image needs it at run time).
+RUN dpkg-query -W -f '${Package}\n' | sort > /var/tmp/packages-before \
+ && apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ python3-dev \
  && pip install "/src[cuda]" \
  && weightcache build-native \
- && apt-get purge -y --auto-remove gcc g++ python3-dev \
- && rm -rf /var/lib/apt/lists/* /src
+ && dpkg-query -W -f '${Package}\n' | sort | comm -13 /var/tmp/packages-before - \
+    | xargs -r env DEBIAN_FRONTEND=noninteractive apt-get purge -y \
+ && apt-get clean && rm -rf /var/lib/apt/lists/* /var/tmp/packages-before /src \
+ && pip uninstall -y setuptools
 # The DaemonSet passes the rest: --model, --socket-dir, --tp-size, --devices, --http-port, ...
 ENTRYPOINT ["weightcache", "agent"]

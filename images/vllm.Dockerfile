@@ -10,10 +10,12 @@
 #   docker build -f images/vllm.Dockerfile -t REGISTRY/weightcache-vllm:0.1.0 .
 ARG BASE=docker.io/vllm/vllm-openai:v0.32.0
 FROM ${BASE}
+LABEL org.opencontainers.image.title="weightcache-vllm" org.opencontainers.image.licenses="Apache-2.0"
+COPY LICENSE /usr/share/doc/weightcache/LICENSE
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
-COPY pyproject.toml setup.py MANIFEST.in README.md /src/
+COPY pyproject.toml setup.py MANIFEST.in README.md LICENSE /src/
 COPY node_agent /src/node_agent
 COPY operator /src/operator
 # The cuda extra adds cuda-bindings (the VMM import of the arena). `weightcache build-native`

@@ -77,6 +77,28 @@ def test_build_refuses_the_vllm_image_on_the_debian_base_at_once_in_one_line(arg
     assert not (tmp_path / "out").exists()  # nothing started
 
 
+@pytest.mark.parametrize("name", ["agent", "operator", "vllm"])
+def test_every_image_carries_the_license_and_says_which(name):
+    text = dockerfile(name)
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in re.search(r"^LABEL .*$", text, re.MULTILINE).group(0)
+    assert re.search(r"^COPY LICENSE /usr/share/doc/weightcache/LICENSE$", text, re.MULTILINE), name
+
+
+def minimum_versions() -> dict[str, str]:
+    """images/minimum-versions.txt: package -> the oldest release an image may carry."""
+    lines = (IMAGES / "minimum-versions.txt").read_text().splitlines()
+    pairs = [line.split("#", 1)[0].strip().split(">=") for line in lines if line.split("#", 1)[0].strip()]
+    return {name.strip().lower(): version.strip() for name, version in pairs}
+
+
+def test_the_pip_the_images_pin_is_no_older_than_the_minimum():
+    from packaging.version import Version
+
+    for name in ("agent", "operator"):
+        pinned = arg(dockerfile(name), "PIP").removeprefix("pip==")
+        assert Version(pinned) >= Version(minimum_versions()["pip"]), (name, pinned)
+
+
 # The built images.
 
 def buildah(where: pathlib.Path, *argv: object, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -178,3 +200,62 @@ def test_operator_image_runs_the_operator_command_as_its_non_root_user(container
                                    "python3 -c 'import torch' 2>/dev/null && echo torch installed || true")
     uid, _, help_text = out.partition("\n")
     assert uid == "65532" and "--all-namespaces" in help_text and "torch installed" not in out, out
+
+
+# What the built images hold: what the build used is gone, and what stays is no older than it may be.
+
+CONTENTS = r"""
+import glob, importlib.metadata as md, json, os, shutil, subprocess
+packages = subprocess.run(["dpkg-query", "-W", "-f", "${Package}\\n"], capture_output=True, text=True).stdout.split()
+print(json.dumps({
+    "python": {d.metadata["Name"].lower(): d.version for d in md.distributions()},
+    "debian": packages,
+    "tools": [t for t in ("gcc", "g++", "cc", "c++", "cpp", "ld", "as", "make") if shutil.which(t)],
+    "debs": glob.glob("/var/cache/apt/archives/*.deb"),
+    "apt_lists": [p for p in glob.glob("/var/lib/apt/lists/*") if os.path.isfile(p) and not p.endswith("/lock")],
+    "license": open("/usr/share/doc/weightcache/LICENSE").read(),
+}))
+"""
+
+
+@pytest.mark.timeout(BUILD_WAIT + 300)  # the first one waits for the build
+@pytest.mark.parametrize("image", ["agent", "operator"])
+def test_image_holds_no_build_tools_no_apt_cache_and_no_outdated_python_package(container, image):
+    from packaging.version import Version
+
+    c = container(image)
+    got = json.loads(c.run("python3", "-c", CONTENTS).strip().splitlines()[-1])
+    assert got["tools"] == [] and got["debs"] == [] and got["apt_lists"] == [], got
+    # compilers, binutils, headers (gcc-12-base is no compiler: the base system's libgcc needs it)
+    build_only = [p for p in got["debian"] if re.fullmatch(r"(gcc|g\+\+|cpp)(-\d+)?|binutils.*|.*-dev", p)]
+    assert build_only == [], build_only
+    python = got["python"]
+    assert python["pip"] == arg(dockerfile(image), "PIP").removeprefix("pip=="), python["pip"]
+    assert "setuptools" not in python, python.get("setuptools")
+    outdated = {name: version for name, version in python.items()
+                if name in minimum_versions() and Version(version) < Version(minimum_versions()[name])}
+    assert outdated == {}, outdated
+    assert got["license"] == (ROOT / "LICENSE").read_text()
+    assert c.config().get("Labels", {}).get("org.opencontainers.image.licenses") == "Apache-2.0", c.config()
+
+
+@pytest.mark.timeout(BUILD_WAIT + 300)  # the first one waits for the build
+def test_the_docs_scan_lines_list_the_agent_images_python_packages(built, tmp_path):
+    """docs/install.md's "Scanning the images": its buildah lines as written (buildah on the build's
+    storage, as images/build.sh runs it), from a folder holding dist/images/agent.tar; the pip-audit line
+    after them needs PyPI's or OSV's vulnerability service, which CI does not reach."""
+    install = (ROOT / "docs" / "install.md").read_text()
+    block, = [b for b in re.findall(r"```bash\n(.*?)```", install, re.DOTALL) if "oci-archive:dist/images" in b]
+    lines = block.strip().splitlines()
+    assert lines[-1].startswith("python -m pip install pip-audit && pip-audit "), lines
+    (tmp_path / "dist" / "images").mkdir(parents=True)
+    (tmp_path / "dist" / "images" / "agent.tar").symlink_to(built / "out" / "agent.tar")
+    conf = tmp_path / "containers.conf"
+    conf.write_text("[containers]\ndefault_ulimits = []\n")
+    storage = f"--root {built / 'storage' / 'root'} --runroot {built / 'storage' / 'run'}"
+    script = f"set -e\nbuildah() {{ command buildah {storage} \"$@\"; }}\n" + "\n".join(lines[:-1])
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env=dict(os.environ, CONTAINERS_CONF=str(conf), BUILDAH_ISOLATION="chroot"))  # as in a sandbox
+    assert done.returncode == 0, done.stderr[-3000:]
+    listed = dict(line.split("==", 1) for line in (tmp_path / "agent-packages.txt").read_text().split())
+    assert listed["torch"].split("+")[0] == TORCH and "pip" in listed and "weightcache" not in listed, listed
