@@ -14,10 +14,12 @@ mode starts an agent when none answers. Imports torch, never kopf or kubernetes.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import queue
 import socket as socketlib
+import stat
 import subprocess
 import sys
 import threading
@@ -29,7 +31,7 @@ from torch import nn
 
 from .. import protocol
 from ..arena.cuda import CudaError
-from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, WeightCacheError
+from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, UntrustedAgent, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
@@ -348,28 +350,86 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
 
 
 def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.socket:
+    """Connect to the agent at `path`, starting one first when nothing listens there.
+
+    A listener of an untrusted uid is refused at once, by name (`UntrustedAgent`): starting an
+    agent of our own would only see the path taken and exit, and the engine would wait out its
+    whole timeout. The agent's log, `<socket>.log`, is opened only once the directory has passed
+    the agent's own checks, with O_NOFOLLOW, and must be a plain file of ours: in a directory
+    others may write, a link or a hard link planted there would have this process (often root)
+    append to a file of someone else's choosing."""
     try:
         return protocol.connect(path)
+    except UntrustedAgent:
+        raise
     except AgentUnavailable:
         pass
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    _check_daemon_dir(directory)
     log_path = path + ".log"
-    with open(log_path, "ab") as log_file:
+    log_fd = _open_daemon_log(log_path)
+    try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "weightcache_agent", "agent", *spec.agent_args(), "--socket", path, "--progress", "never"],
-            stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file, start_new_session=True,
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=log_fd, start_new_session=True,
         )
+    finally:
+        os.close(log_fd)
     log.info("started agent pid=%d for %s (log: %s)", proc.pid, path, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
             return protocol.connect(path)
+        except UntrustedAgent:
+            raise  # someone else's listener holds the path: our agent will never get it
         except AgentUnavailable:
             code = proc.poll()
             if code not in (None, 3):  # 3: another agent won the race to this socket; wait for it
                 raise AgentUnavailable(f"agent for {path} exited with status {code}: {_tail(log_path)}") from None
             time.sleep(0.02)
     raise AgentUnavailable(f"agent for {path} did not answer within {timeout:.0f}s (log: {log_path})")
+
+
+def _check_daemon_dir(directory: str) -> None:
+    """The agent's own rule for its socket's place (serve/access.py), checked before anything is
+    opened there: the directory and every one above it, as named and as resolved, belong to root
+    or this uid and nobody else may rename entries in them (others' write access only with the
+    sticky bit)."""
+    me = os.geteuid()
+    for chain in (directory, os.path.realpath(directory)):
+        path = "/"
+        for part in [""] + [p for p in chain.split("/") if p]:
+            path = os.path.join(path, part)
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break
+            if stat.S_ISLNK(st.st_mode):
+                continue  # its target is checked as resolved
+            if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
+                raise AgentUnavailable(f"not starting an agent for a socket in {directory}: {path} belongs to uid "
+                                       f"{st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), who could put files or an "
+                                       "agent of their own in its place; use a directory owned by root or this uid")
+
+
+def _open_daemon_log(log_path: str) -> int:
+    """`<socket>.log` for appending, refused unless it is (or is created as) a regular file of ours
+    with one link: never through a symlink, never another file hard-linked into the directory."""
+    try:
+        fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as e:
+        # The kernel may answer a planted link with EACCES (protected_regular) before ELOOP: name it either way.
+        why = "it is a symbolic link" if e.errno == errno.ELOOP or os.path.islink(log_path) else (e.strerror or str(e))
+        raise AgentUnavailable(f"not starting an agent: cannot open its log {log_path}: {why}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise AgentUnavailable(f"not starting an agent: its log {log_path} is not a plain file of uid {os.geteuid()} "
+                               f"(owner uid {st.st_uid}, {st.st_nlink} links): someone else put it there")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
