@@ -244,3 +244,63 @@ def test_socket_directory_the_kubelet_made_0755_is_narrowed_to_0750(model, workd
         assert member["connect"] == "ok", member
     finally:
         assert node.stop() == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_a_flood_of_refused_connections_is_counted_not_logged_line_by_line(model, workdir):
+    """A uid the socket policy does not admit, reaching the socket (opened up by hand, chmod 666),
+    connects in a loop. Before, every refusal wrote a WARNING line (158k lines in 10 s); now the
+    log says it at most once a second with a count, and the metric counts every one."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from security_fixtures import AsAttacker
+
+    sockets = os.path.join(workdir, "flood-sockets")
+    os.makedirs(sockets)
+    with open(os.path.join(sockets, "README"), "w") as f:  # not the agent's own directory: its mode is left alone
+        f.write("shared\n")
+    node = Node(model, sockets, os.path.join(workdir, "flood"))
+    try:
+        sock = node.wait(lambda s: s["phase"] == "Ready", "Ready node")["ranks"][0]["socket"]
+        os.chmod(sock, 0o666)
+
+        def flood(command: dict) -> dict:
+            done, deadline = 0, time.monotonic() + command["seconds"]
+            while time.monotonic() < deadline:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    s.connect(command["socket"])
+                    done += 1
+                except OSError:
+                    pass
+                finally:
+                    s.close()
+            return {"connects": done}
+
+        attacker = AsAttacker(flood)
+        try:
+            t0 = time.monotonic()
+            connects = attacker.ask(socket=sock, seconds=3.0)["connects"]
+            seconds = time.monotonic() - t0
+        finally:
+            attacker.close()
+        assert connects >= 100, connects
+
+        def refused() -> float:
+            _, body = node.get("/metrics")
+            for family in text_string_to_metric_families(body):
+                for sample in family.samples:
+                    if sample.name == "weightcache_refused_connections_total" and sample.labels["reason"] == "forbidden":
+                        return sample.value
+            return -1.0
+
+        deadline = time.monotonic() + 30
+        while refused() < connects:
+            assert time.monotonic() < deadline, (refused(), connects)
+            time.sleep(0.2)
+        assert refused() == connects
+        time.sleep(1.2)  # the last held-back count is said with the next refusal, not later
+        lines = [l for l in node.log().splitlines() if "not allowed on this socket" in l]
+        assert 1 <= len(lines) <= seconds + 3, (len(lines), connects)
+        assert agent_status(sock)["phase"] == "ready"  # root still gets answers
+    finally:
+        assert node.stop() == 0

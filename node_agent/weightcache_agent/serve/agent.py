@@ -232,6 +232,9 @@ class Agent:
         self._waiting_slots = threading.BoundedSemaphore(max_pending)
         self._parse_gate = threading.BoundedSemaphore(PARSE_SLOTS)
         self._refusals = _Throttled()
+        self._forbidden = _Throttled()  # peers the socket policy refuses: one line a second at most
+        # Connections refused at accept, by reason (the accept thread alone writes them); status and metrics show them.
+        self.refused_connections: Counter = Counter({"forbidden": 0, "too_many_connections": 0})
         # Who was handed the arena's handle ahead of an attach: (uid, pid) -> until when it counts
         # against the uid's lease cap. And everyone who received the handle since the fill
         # (`_handed`), for the log line that reports a changed arena.
@@ -738,6 +741,7 @@ class Agent:
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "attaches": self.attaches,
             "misses": self.misses,
+            "refused_connections": dict(self.refused_connections),
             # Whether the served arena still holds what was loaded: state verified / tampered /
             # unverified / unavailable / error, the scrub's schedule and cost, arenas found changed.
             "integrity": self._integrity(),
@@ -785,8 +789,10 @@ class Agent:
             pid, uid, gid = protocol.peer_credentials(conn)
             if not self.policy.allows(uid, gid, peer_groups(conn) if self.policy.gid is not None else ()):
                 self._waiting_slots.release()
-                log.warning("refused pid=%s uid=%s gid=%s: not allowed on this socket (allowed: %s)", pid, uid, gid,
-                            self.policy.describe())
+                # Counted each, logged at most once a second: a flood of refused connects must not fill the disk.
+                self.refused_connections["forbidden"] += 1
+                self._forbidden.warn(f"refused pid={pid} uid={uid} gid={gid}: not allowed on this socket (allowed: "
+                                     f"{self.policy.describe()})")
                 conn.setblocking(False)
                 _try_send(conn, protocol.error_message("forbidden", "this uid may not use the agent's socket"))
                 conn.close()
@@ -797,6 +803,7 @@ class Agent:
                     self._connections[uid] += 1
             if crowded:
                 self._waiting_slots.release()
+                self.refused_connections["too_many_connections"] += 1
                 self._refusals.warn(f"uid {uid} holds its cap of {self.max_connections_per_uid} connections: "
                                     "refusing more")
                 conn.setblocking(False)

@@ -129,8 +129,14 @@ class _StatusCollector:
                                       labels=RANK_LABELS)
         verified = GaugeMetricFamily("weightcache_arena_verified", "1 while the rank's arena last checked equal to "
                                      "its keyed digest, else 0", labels=RANK_LABELS)
+        refused = CounterMetricFamily("weightcache_refused_connections", "Connections this rank's socket refused at "
+                                      "accept, by reason: forbidden (a uid the socket policy does not admit) or "
+                                      "too_many_connections (a uid at its cap); logged at most once a second",
+                                      labels=("rank", "device", "reason"))
         for r in ranks:
             labels = [str(r["rank"]), r["device"]]
+            for reason in ("forbidden", "too_many_connections"):
+                refused.add_metric(labels + [reason], (r.get("refusedConnections") or {}).get(reason, 0))
             changed.add_metric(labels, r.get("integrityFailures", 0))
             verified.add_metric(labels, 1.0 if r.get("integrity") == "verified" else 0.0)
             misses.add_metric(labels, r.get("misses", 0))
@@ -140,7 +146,7 @@ class _StatusCollector:
                 load.add_metric(labels, r["loadSeconds"])
             ready.add_metric(labels, 1.0 if r["phase"] == "Ready" else 0.0)
             restarts.add_metric(labels, r["restarts"])
-        return [resident, clients, load, ready, restarts, misses, changed, verified]
+        return [resident, clients, load, ready, restarts, misses, changed, verified, refused]
 
 
 class AgentHTTPServer:

@@ -382,6 +382,9 @@ class Worker:
             "fingerprint": status.get("fingerprint") or "",
             "attaches": int(status.get("attaches") or 0),
             "misses": int(status.get("misses") or 0),
+            # Connections the worker refused at accept, by reason (forbidden: the socket policy; too_many_connections: a uid's cap).
+            "refusedConnections": {str(k): int(v) for k, v in (status.get("refused_connections") or {}).items()
+                                   if isinstance(v, int)},
             "filledFrom": status.get("filled_from") or "",  # disk, peer (another replica's arena) or adopted
             # verified / tampered / unverified / unavailable / error, and arenas found changed (then refilled)
             "integrity": str((status.get("integrity") or {}).get("state") or ""),
