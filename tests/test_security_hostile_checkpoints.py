@@ -224,3 +224,25 @@ def test_node_worker_that_never_answers_is_killed(model, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("pattern", [r"^(\w+\.?)+\.bias$", r"(a|aa)*\.weight$", r"\w*\w*\w*\.bias$"])
+def test_sharding_rule_that_would_backtrack_for_ever_is_refused_at_once(model, tmp_path, pattern):
+    """A 17-character rule took ~42 s per tensor name before: the agent sat in the plan for hours."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(json.dumps({"rules": [{"pattern": pattern, "mode": "replicated"}]}))  # JSON is YAML
+    t0 = time.monotonic()
+    code, err = run_agent(model, str(tmp_path / "run" / "agent.sock"), "--tp-size", "2", "--tp-rank", "0",
+                          "--sharding", str(rules), timeout=60)
+    assert code == 1 and "Traceback" not in err, (code, err[-2000:])
+    line = next(l for l in err.splitlines() if l.startswith("weightcache agent: "))
+    assert str(rules) in line and "rule 0" in line, line
+    assert time.monotonic() - t0 < 30
+
+
+def test_tensor_name_longer_than_any_real_one_is_refused(model, tmp_path):
+    path = os.path.join(model, "model-00002-of-00002.safetensors")
+    header, data = read_header(path)
+    header["x" * 600] = {"dtype": "BF16", "shape": [0], "data_offsets": [0, 0]}
+    write_raw(path, header, data)
+    refused(model, tmp_path, path, "600 characters")

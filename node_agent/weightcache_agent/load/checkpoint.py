@@ -89,6 +89,9 @@ def read_header(path: str, within: str | None = None) -> tuple[bytes, dict[str, 
     data_size = size - data_start
     records: dict[str, TensorRecord] = {}
     for name, entry in header.items():
+        if len(name) > MAX_NAME:  # sharding rules are matched against every name: bounded, as real names are
+            raise CheckpointError(f"{path}: a tensor name of {len(name)} characters (at most {MAX_NAME}): "
+                                  f"{_short(name)}")
         records[name] = _record(path, name, entry, data_start, data_size)
     spans = sorted((r.start, r.start + r.nbytes, r.name) for r in records.values() if r.nbytes)
     for (s0, e0, n0), (s1, _e1, n1) in zip(spans, spans[1:]):
@@ -137,6 +140,7 @@ def _record(path: str, name: str, entry: Any, data_start: int, data_size: int) -
 
 MAX_DIMS = 64
 INT64_MAX = 2**63 - 1
+MAX_NAME = 512  # characters in a tensor name; real ones have fewer than 200
 
 
 def _short(value: Any) -> str:

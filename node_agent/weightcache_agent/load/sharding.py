@@ -110,6 +110,71 @@ class ShardingPlan:
         return None
 
 
+# A user's rule is a regular expression run against every tensor name by a backtracking matcher
+# (Python's re). Unchecked, 17 characters (`^(\w+\.?)+\.bias$`) took ~42 s per name. Python ships no
+# matcher without backtracking, and a running match cannot be interrupted, so the bound is on the
+# pattern: what makes backtracking exponential (a quantifier over anything but one character or
+# class, alternation or a group under a quantifier, back-references, lookarounds) is refused, and
+# so are more than MAX_OPEN_REPEATS quantifiers of more than MAX_SMALL_REPEAT: with at most two,
+# a search is at worst cubic in the name's length, and checkpoint names are at most
+# checkpoint.MAX_NAME characters (~0.2 s for the worst name; a real one takes microseconds).
+MAX_PATTERN = 256
+MAX_OPEN_REPEATS = 2
+MAX_SMALL_REPEAT = 8
+
+
+def check_user_pattern(pattern: str) -> None:
+    """Refuse a user's sharding pattern a backtracking matcher could spend unbounded time on (ValueError, one line)."""
+    import re._constants as c
+    import re._parser as sre
+
+    if len(pattern) > MAX_PATTERN:
+        raise ValueError(f"pattern of {len(pattern)} characters: at most {MAX_PATTERN}")
+    shown = pattern if len(pattern) <= 64 else pattern[:61] + "..."
+    repeats = (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT)
+    single = (c.LITERAL, c.NOT_LITERAL, c.IN, c.ANY)
+
+    def walk(items: Any) -> int:
+        open_repeats = 0
+        for op, av in items:
+            if op in repeats:
+                low, high, body = av
+                body = list(body)
+                one_char = len(body) == 1 and body[0][0] in single
+                plain_optional = high == 1 and not _has(body, repeats + (c.BRANCH,))
+                if not (one_char or plain_optional):
+                    raise ValueError(f"pattern {shown!r}: a quantifier may apply only to one character or class (or "
+                                     "'?' to a group without quantifiers or '|'): nested quantifiers can take "
+                                     "exponential time")
+                if high == c.MAXREPEAT or high > MAX_SMALL_REPEAT:
+                    open_repeats += 1
+            elif op == c.SUBPATTERN:
+                open_repeats += walk(av[-1])
+            elif op == c.BRANCH:
+                open_repeats += sum(walk(branch) for branch in av[1])
+            elif op in (c.GROUPREF, c.GROUPREF_EXISTS, c.ASSERT, c.ASSERT_NOT, c.ATOMIC_GROUP):
+                raise ValueError(f"pattern {shown!r}: back-references and lookarounds are not allowed")
+        return open_repeats
+
+    count = walk(sre.parse(pattern))
+    if count > MAX_OPEN_REPEATS:
+        raise ValueError(f"pattern {shown!r}: {count} open-ended quantifiers (*, +, {{n,}}, or over "
+                         f"{MAX_SMALL_REPEAT}); at most {MAX_OPEN_REPEATS}, so that matching stays bounded")
+
+
+def _has(items: Any, ops: tuple[Any, ...]) -> bool:
+    import re._constants as c
+
+    for op, av in items:
+        if op in ops:
+            return True
+        if op == c.SUBPATTERN and _has(av[-1], ops):
+            return True
+        if op == c.BRANCH and any(_has(b, ops) for b in av[1]):
+            return True
+    return False
+
+
 def config_path(checkpoint: Checkpoint) -> str:
     return os.path.join(checkpoint.directory, "config.json")
 
@@ -207,6 +272,7 @@ def _load_rules_file(checkpoint: Checkpoint, path: str) -> ShardingPlan:
         if dim is not None and not (isinstance(dim, int) and dim >= 0):
             raise CheckpointError(f"{path}: rule {i} ({entry['pattern']!r}): dim must be a non-negative integer")
         try:
+            check_user_pattern(str(entry["pattern"]))
             rules.append(Rule(str(entry["pattern"]), str(entry["mode"]), dim))
         except (ValueError, re.error) as e:
             raise CheckpointError(f"{path}: rule {i}: {e}") from None
