@@ -19,7 +19,7 @@ from ..errors import CheckpointError
 from .dtypes import DTYPES, DType
 # also imported from here by engines and tests
 from .signature import (INDEX_FILE, MAX_HEADER_BYTES, _identity, _shard_files, content_identity,  # noqa: F401
-                        file_signature, open_regular, parse_json)
+                        data_samples, file_signature, open_regular, parse_json)
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class Checkpoint:
         return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
-def read_header(path: str, within: str | None = None) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
+def read_header(path: str, within: str | None = None,
+                samples: list[bytes] | None = None) -> tuple[bytes, dict[str, TensorRecord], dict[str, str]]:
     """Parse and check one safetensors file's header; return (raw header, records, metadata).
 
     `within`: the model directory the file must resolve into (`open_regular`). No error quotes
@@ -79,6 +80,8 @@ def read_header(path: str, within: str | None = None) -> tuple[bytes, dict[str, 
                     f"({size} bytes)"
                 )
             raw = f.read(header_len)
+            if samples is not None:  # the content identity's sample of the data, from the same open file
+                samples.append(data_samples(f, 8 + header_len, size))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
     header = parse_json(raw, path, "header")
@@ -155,13 +158,14 @@ def open_checkpoint(directory: str) -> Checkpoint:
     signature = file_signature(directory)  # before reading: a file changed meanwhile then mismatches
     files, expected = _shard_files(directory)
     index_path = os.path.join(directory, INDEX_FILE)
-    headers: list[tuple[str, int, bytes]] = []
+    headers: list[tuple[str, int, bytes, bytes]] = []
     tensors: dict[str, TensorRecord] = {}
     metadata: dict[str, dict[str, str]] = {}
     for fname in files:
         path = os.path.join(directory, fname)
-        raw, records, meta = read_header(path, within=directory)
-        headers.append((fname, os.path.getsize(path), raw))
+        samples: list[bytes] = []
+        raw, records, meta = read_header(path, within=directory, samples=samples)
+        headers.append((fname, os.path.getsize(path), raw, samples[0]))
         metadata[fname] = meta
         for name, record in records.items():
             if name in tensors:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fp8
-from .checkpoint import Checkpoint, TensorRecord, open_checkpoint, open_regular
+from .checkpoint import Checkpoint, TensorRecord, file_signature, open_checkpoint, open_regular
 from .dtypes import FLOAT32, FP8_E4M3, dtype_from_name
 from ..arena.cpu import CpuArena, new_cpu_arena
 from ..errors import CheckpointError, UnsupportedQuantization
@@ -213,6 +213,12 @@ def fill_cache(prepared: PreparedCache, arena: Any, progress: LoadProgress | Non
             finally:
                 buffer.release()
                 progress.finish()
+        # The files read must be the ones whose headers were planned: one replaced or rewritten
+        # meanwhile (os.replace, an in-place write) would leave the arena a mix of two checkpoints.
+        # Their identity (name, size, mtime, inode, ctime) was taken before the headers were read.
+        if checkpoint.signature and file_signature(checkpoint.directory) != checkpoint.signature:
+            raise CheckpointError(f"{checkpoint.directory}: the checkpoint's files changed while they were being "
+                                  "loaded (replaced or rewritten): nothing of this load is served; load again")
         arena.seal()
     except BaseException:
         arena.close()

@@ -37,8 +37,34 @@ def file_signature(directory: str) -> str:
         raise CheckpointError(f"{directory}: cannot list: {e.strerror}") from None
     digest = hashlib.sha256()
     for name, st in entries:
-        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\n".encode())
+        # ctime too: a rewrite that restores size and mtime (touch -r) still moves it, and no user can set it.
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}\0{st.st_ctime_ns}\n".encode())
     return digest.hexdigest()[:16]
+
+
+# The content identity reads, besides every header, SAMPLES blocks of SAMPLE_BYTES spread evenly
+# over each shard's data (the first and last included): 1 MiB per shard, a few ms, so an engine
+# can afford it at every start. Other weights under the same headers are a miss when they differ
+# anywhere in those blocks; a change confined to the bytes between them is not seen by the
+# identity -- only by the file identity (`file_signature`) of the files the agent loaded.
+SAMPLES = 64
+SAMPLE_BYTES = 16384
+
+
+def data_samples(f: Any, data_start: int, size: int) -> bytes:
+    """SHA-256 of SAMPLES blocks of the data section [data_start, size) of the open shard `f`."""
+    digest = hashlib.sha256()
+    span = max(size - data_start, 0)
+    if span <= SAMPLES * SAMPLE_BYTES:
+        offsets = [data_start]
+        length = span
+    else:
+        step = (span - SAMPLE_BYTES) // (SAMPLES - 1)
+        offsets = [data_start + i * step for i in range(SAMPLES)]
+        length = SAMPLE_BYTES
+    for offset in offsets:
+        digest.update(os.pread(f.fileno(), length, offset))
+    return digest.digest()
 
 
 def open_regular(path: str, within: str | None = None) -> Any:
@@ -162,12 +188,13 @@ def _shard_files(directory: str) -> tuple[list[str], dict[str, str] | None]:
     return files, None
 
 
-def _identity(directory: str, headers: list[tuple[str, int, bytes]]) -> str:
-    """Hash of (name, size, raw header) of every shard plus config.json: what decides the bytes served."""
+def _identity(directory: str, headers: list[tuple[str, int, bytes, bytes]]) -> str:
+    """Hash of (name, size, raw header, sampled data) of every shard plus config.json: what decides the bytes served."""
     digest = hashlib.sha256()
-    for fname, size, raw in headers:
+    for fname, size, raw, samples in headers:
         digest.update(f"{fname}\0{size}\0{len(raw)}\0".encode())
         digest.update(raw)
+        digest.update(samples)
     try:
         with open_regular(os.path.join(directory, "config.json"), within=directory) as f:
             digest.update(b"config.json\0" + f.read())
@@ -186,7 +213,9 @@ def content_identity(directory: str) -> str:
         try:
             with open_regular(path, within=directory) as f:
                 (length,) = struct.unpack("<Q", f.read(8).ljust(8, b"\0"))
-                headers.append((fname, os.fstat(f.fileno()).st_size, f.read(min(length, MAX_HEADER_BYTES))))
+                size = os.fstat(f.fileno()).st_size
+                raw = f.read(min(length, MAX_HEADER_BYTES))
+                headers.append((fname, size, raw, data_samples(f, 8 + len(raw), size)))
         except OSError as e:
             raise CheckpointError(f"{path}: cannot read: {e.strerror}") from None
     return _identity(directory, headers)

@@ -57,6 +57,7 @@ from ..arena.cpu import CpuArena, available_memory, new_cpu_arena
 from ..arena.devices import Device
 from ..arena.digest import ArenaDigest, new_key
 from ..load.prefetch import Prefetch, lead_for, shard_paths
+from ..load.signature import file_signature
 from ..logs import Phases
 from ..load.progress import LoadProgress
 from ..packed_rows import PackedRows
@@ -1010,6 +1011,21 @@ class Agent:
             protocol.send_message(conn, self._load_failed())
             return None
         cache, arenas = served
+        replaced = self._replaced_files(cache, request)
+        if replaced is not None:
+            # The files this arena was read from are no longer the ones at the model path: a named miss,
+            # whatever the engine's headers say (other weights may hide under the same headers).
+            with self._lock:
+                self.misses += 1
+            log.warning("refused attach from pid=%s: the checkpoint at %s changed since it was loaded (files "
+                        "signature %s, now %s): restart this agent to load the new files", peer, self.spec.model,
+                        *replaced)
+            protocol.send_message(conn, protocol.error_message(
+                "fingerprint_mismatch", "the checkpoint's files changed since the agent loaded them",
+                fields={"files": f"as loaded (signature {replaced[0]})"},
+                engine_fields={"files": f"replaced or rewritten since the agent loaded them (signature {replaced[1]})"},
+                model=os.path.abspath(self.spec.model)))
+            return None
         try:
             fields = self._fields_for(request)
         except RevisionRequired:
@@ -1156,6 +1172,19 @@ class Agent:
             return None
         users = [lease for lease in members if lease.uid != 0]
         return min(users, key=lambda lease: lease.since).uid if users else 0
+
+    def _replaced_files(self, cache: Any, request: dict[str, Any]) -> tuple[str, str] | None:
+        """(signature loaded, signature now) when the engine's files are not the ones loaded and this
+        agent's own model directory no longer holds them either; else None. Stats the agent's own
+        model path only (never a path the client names), and only when the engine's signature differs."""
+        loaded = cache.signature if isinstance(cache, RecordedCache) else cache.checkpoint.signature
+        if not loaded or request.get("files") == loaded:
+            return None
+        try:
+            now = file_signature(os.path.abspath(self.spec.model))
+        except WeightCacheError:
+            now = "unreadable"
+        return None if now == loaded else (loaded, now)
 
     def _fields_for(self, request: dict[str, Any]) -> dict[str, Any]:
         key = json.dumps(request, sort_keys=True)
