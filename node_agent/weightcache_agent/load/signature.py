@@ -2,7 +2,7 @@
 
 The file signature (one stat per file) is what an engine sends with every attach and what
 an agent checks its record of a prepared cache against; the content identity (the shards'
-raw headers and config.json, hashed) decides when the signatures differ. Both live apart
+raw headers, sampled blocks of their data and config.json, hashed) decides when the signatures differ. Both live apart
 from `checkpoint` (which needs torch for its dtypes) so that the agent's re-adoption path
 and a replica copying another's arena identify the files without importing torch.
 """
