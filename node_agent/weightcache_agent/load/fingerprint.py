@@ -1,7 +1,7 @@
 """The fingerprint: one hash over everything that decides the bytes in an arena.
 
 `fingerprint_fields` lists those things by name -- the content identity of the
-checkpoint -- its headers, config and sampled data, never its path: an agent and an engine mount the same
+checkpoint (its headers, config and sampled data; never its path: an agent and an engine mount the same
 model at different places), the revision label an operator gave it, parallelism and rank,
 quantization and its config, dtype, sharding, layout version, and marks of the environment
 (torch version, device). The agent publishes its fields; an engine computes its own from
