@@ -12,6 +12,33 @@ import pytest
 
 from k8s_lab import Lab, unavailable_reason
 
+# How the suite is spread over pytest-xdist's workers (`--dist loadgroup`, set in pyproject.toml):
+# each module is one unit, so its module-scoped agents and engines start once; modules that share
+# a session-scoped fixture costly to make (the control plane, a compile) share one unit, so it is
+# made once. Two control planes run side by side: the vLLM EngineSet example (four vLLM engines)
+# alone takes as long as all the other tests on a real API server together.
+SHARED_UNITS = {
+    "test_bind_manifest": "native-build",  # the torch-native binder, compiled once
+    "test_native_build": "native-build",
+    "test_wheel": "native-build",
+}
+K8S_UNIT = "k8s-lab"
+K8S_VLLM_UNIT = "k8s-lab-vllm"
+K8S_VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        if item.originalname in K8S_VLLM_TESTS:
+            unit = K8S_VLLM_UNIT
+        elif {"k8s_lab", "k8s_chart"} & set(getattr(item, "fixturenames", ())):
+            unit = K8S_UNIT
+        else:
+            unit = SHARED_UNITS.get(module, module)
+        item.add_marker(pytest.mark.xdist_group(unit))
+
 
 @pytest.fixture(scope="session")
 def k8s_lab() -> Iterator[Lab]:
