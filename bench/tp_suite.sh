@@ -26,7 +26,7 @@ TP_TESTS="${TP_TESTS:-tests/test_cuda_backend.py tests/test_tp_cuda.py tests/tes
 tests/test_materialize.py tests/test_tensor_parallel.py tests/test_supervisor.py::test_cuda_node_sockets_named_by_gpu_uuid}"
 tests=0
 if [ "$TP_TESTS" != none ]; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE $TP_TESTS 2>&1 | tail -60 > "$OUT/gpu_tests.log"
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" -rfE $TP_TESTS 2>&1 | tail -60 > "$OUT/gpu_tests.log"
   tests=${PIPESTATUS[0]}
   tail -5 "$OUT/gpu_tests.log"
 fi
