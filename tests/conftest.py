@@ -27,8 +27,14 @@ K8S_VLLM_UNIT = "k8s-lab-vllm"
 K8S_VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
 
 
+# The longest units, handed out first (workers take units in collection order): started last, one of
+# them would run alone at the end of the run.
+LONGEST_FIRST = (K8S_VLLM_UNIT, K8S_UNIT, "test_vllm")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    units = {}
     for item in items:
         module = item.path.stem
         if item.originalname in K8S_VLLM_TESTS:
@@ -38,6 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         else:
             unit = SHARED_UNITS.get(module, module)
         item.add_marker(pytest.mark.xdist_group(unit))
+        units[item.nodeid] = unit
+    rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(units[item.nodeid], len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")
