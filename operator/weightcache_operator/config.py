@@ -19,9 +19,8 @@ from .api.v1alpha1.weightcache_types import CacheSpec, SpecError
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 DEFAULT_MODEL_ROOT = "/models"
-# The socket root is part of the contract with engine pods (they mount the cache's
-# directory under it, `controller.weightcache.manifests.socket_dir`), so it is a constant, not a value.
-SOCKET_ROOT = "/run/weightcache"
+# The socket root: a constant of the API (engine pods mount their cache's directory under it).
+from .api.v1alpha1.weightcache_types import SOCKET_ROOT  # noqa: E402
 AGENT_HTTP_PORT = 9464
 
 ENV_PREFIX = "WEIGHTCACHE_"

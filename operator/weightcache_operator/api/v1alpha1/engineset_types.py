@@ -19,8 +19,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...config import SOCKET_ROOT
-from .weightcache_types import SpecError, plain
+from .weightcache_types import SOCKET_ROOT, SpecError, plain
 
 MODES = ("dra", "visibleDevices")
 DEFAULT_PORT = 8000

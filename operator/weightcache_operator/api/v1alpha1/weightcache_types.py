@@ -15,6 +15,10 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+# The agents' host socket root: part of the contract with engine pods (they mount their cache's
+# directory under it), so a constant of the API, not a setting.
+SOCKET_ROOT = "/run/weightcache"
+
 SUPPORTED_QUANTIZATION = ("none", "fp8-block")
 # Methods the agent refuses, and why: the CRD's CEL rule carries the same sentence.
 REFUSED_QUANTIZATION = ("fp8-per-tensor", "marlin", "awq", "gptq")
