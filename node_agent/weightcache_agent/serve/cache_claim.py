@@ -83,8 +83,8 @@ def _read_claim(path: str) -> CacheIdentity:
                           "remove it if no agent of another cache uses this directory") from None
 
 
-def _write_new(path: str, identity: CacheIdentity) -> bool:
-    """Create the record at `path` only if none is there (link of a finished file: never half-written)."""
+def _write_tmp(path: str, identity: CacheIdentity) -> str:
+    """The record written whole to a new file beside `path`; that file's name."""
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         os.unlink(tmp)  # a leftover of a killed agent of this pid, or a planted link (removed, never followed)
@@ -95,6 +95,12 @@ def _write_new(path: str, identity: CacheIdentity) -> bool:
         os.write(fd, identity.record())
     finally:
         os.close(fd)
+    return tmp
+
+
+def _write_new(path: str, identity: CacheIdentity) -> bool:
+    """Create the record at `path` only if none is there (link of a finished file: never half-written)."""
+    tmp = _write_tmp(path, identity)
     try:
         os.link(tmp, path)
         return True
@@ -123,18 +129,8 @@ def claim_socket_dir(directory: str, identity: CacheIdentity) -> None:
             "one directory, and serving here would hand one cache's engines the other's weights; refusing to serve")
     if recorded.uid != identity.uid:
         # The same namespace and name, a new object: the cache was deleted and created again.
-        tmp = f"{path}.{os.getpid()}.tmp"
         try:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, CLAIM_MODE)
-            try:
-                os.write(fd, identity.record())
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
+            os.replace(_write_tmp(path, identity), path)
         except OSError as e:
             raise AccessError(f"cannot record the cache in {path}: {e.strerror or e}") from None
         log.info("socket directory %s: WeightCache %s/%s was created again (uid %s, was %s)", directory,
