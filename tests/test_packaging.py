@@ -87,7 +87,8 @@ def test_a_pytest_run_starts_without_a_configuration_warning(tmp_path):
     test.write_text("def test_one():\n    pass\n")
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-c", ROOT / "pyproject.toml",
                            "--rootdir", tmp_path, "-W", "error::pytest.PytestDeprecationWarning", test],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")})  # not a worker's
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "Warning" not in done.stdout + done.stderr, done.stdout
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import stat
 import struct
@@ -51,6 +52,12 @@ SAMPLES = 64
 SAMPLE_BYTES = 16384
 
 
+# Samples are read with O_DIRECT where the filesystem takes it: a buffered 16 KiB read pulls the
+# kernel's readahead window into the page cache with it, 64 times per shard, and the load that
+# follows would then read those pages buffered, or worse, the page cache would keep them.
+_ALIGN = 4096
+
+
 def data_samples(f: Any, data_start: int, size: int) -> bytes:
     """SHA-256 of SAMPLES blocks of the data section [data_start, size) of the open shard `f`."""
     digest = hashlib.sha256()
@@ -62,9 +69,44 @@ def data_samples(f: Any, data_start: int, size: int) -> bytes:
         step = (span - SAMPLE_BYTES) // (SAMPLES - 1)
         offsets = [data_start + i * step for i in range(SAMPLES)]
         length = SAMPLE_BYTES
-    for offset in offsets:
-        digest.update(os.pread(f.fileno(), length, offset))
+    with _SampleReader(f.fileno(), length) as read:
+        for offset in offsets:
+            digest.update(read(offset))
     return digest.digest()
+
+
+class _SampleReader:
+    """Reads `length` bytes at an offset of the file open as `fd`: with O_DIRECT through a second
+    descriptor (reopened through /proc: the very file, not its name) where the filesystem takes
+    aligned direct reads, else buffered."""
+
+    def __init__(self, fd: int, length: int):
+        self.fd, self.length, self.direct = fd, length, -1
+        self.buffer = mmap.mmap(-1, -(-(length + _ALIGN) // _ALIGN) * _ALIGN)  # page-aligned, as O_DIRECT wants
+        try:
+            self.direct = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            self(0)  # tmpfs refuses O_DIRECT at open; some filesystems only at the first read
+        except OSError:
+            self.close()
+
+    def __call__(self, offset: int) -> bytes:
+        if self.direct < 0:
+            return os.pread(self.fd, self.length, offset)
+        start = offset - offset % _ALIGN
+        got = os.preadv(self.direct, [self.buffer], start)
+        return self.buffer[offset - start:min(offset - start + self.length, got)]
+
+    def close(self) -> None:
+        if self.direct >= 0:
+            os.close(self.direct)
+            self.direct = -1
+
+    def __enter__(self) -> "_SampleReader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+        self.buffer.close()
 
 
 def open_regular(path: str, within: str | None = None) -> Any:
