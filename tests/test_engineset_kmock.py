@@ -326,7 +326,7 @@ async def test_standbys_make_room_while_the_cache_waits_for_memory_for_a_new_mod
 
             # The standby's memory came back: the change goes ahead, the DaemonSet runs v2.
             a.doc = {**a.doc, "freeBytes": 40 * gib}
-            await wait_for(lambda: "v2" in get_object(kmock, "apps/v1/daemonsets", "default", "qwen-agent")
+            await wait_for(lambda: "--revision=v2" in get_object(kmock, "apps/v1/daemonsets", "default", "qwen-agent")
                            ["spec"]["template"]["spec"]["containers"][0]["args"], what="the DaemonSet on v2")
             await wait_for(lambda: "waiting for the agent on node-a to load /models/qwen@v2"
                            in es_of(kmock, "chat")["status"]["rollout"].get("message", ""), what="the rollout waiting")

@@ -116,8 +116,10 @@ def test_a_squatter_of_another_uid_neither_locks_out_nor_joins_a_real_engines_gr
         # The real primary dies: the real standby is promoted, never the squatter's engine.
         primary.stop()
         assert standby.next_event(10) == {"promoted": "primary"}
-        roles = {(c["uid"], c["pid"]): c["role"] for c in agent.status()["clients"]}
-        assert roles == {(ATTACKER, squatters_standby.pid): "primary", (ENGINE_UID, standby.pid): "primary"}, roles
+        # "promoting" until the engine's acknowledgement reaches the agent, a moment after the event
+        expected = {(ATTACKER, squatters_standby.pid): "primary", (ENGINE_UID, standby.pid): "primary"}
+        wait_for(lambda: {(c["uid"], c["pid"]): c["role"] for c in agent.status()["clients"]} == expected, 10,
+                 "both promotions acknowledged")
 
         for engine in engines:
             engine.stop()
