@@ -280,6 +280,13 @@ class ApiClient:
             conn.close()
 
 
+# The latency bars (p99 kill -> EndpointSlice) are the benchmarks', measured alone and recorded in
+# bench/RESULTS.md. The tests share a 2-core machine with other workers, where one starved process
+# decides a p99: they bound latency at this multiple of the bar, so a regression of an order of
+# magnitude fails the suite and a busy machine does not.
+SHARED_MACHINE_SLACK = 5
+
+
 def wait_for(fn: Callable[[], T], *, timeout: float = 30.0, interval: float = 0.05,
              what: str = "condition") -> T:
     """Poll fn until it returns something truthy; its last value, or TimeoutError naming `what`."""
