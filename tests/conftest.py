@@ -2,6 +2,7 @@
 control plane, and the torch-native row binder compiled for this torch."""
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -13,15 +14,10 @@ import pytest
 from k8s_lab import Lab, unavailable_reason
 
 # How the suite is spread over pytest-xdist's workers (`--dist loadgroup`, set in pyproject.toml):
-# each module is one unit, so its module-scoped agents and engines start once; modules that share
-# a session-scoped fixture costly to make (the control plane, a compile) share one unit, so it is
-# made once. Two control planes run side by side: the vLLM EngineSet example (four vLLM engines)
-# alone takes as long as all the other tests on a real API server together.
-SHARED_UNITS = {
-    "test_bind_manifest": "native-build",  # the torch-native binder, compiled once
-    "test_native_build": "native-build",
-    "test_wheel": "native-build",
-}
+# each module is one unit, so its module-scoped agents and engines start once; the tests on a real
+# control plane share one unit, so it is started once. Two control planes run side by side: the vLLM
+# EngineSet example (four vLLM engines) alone takes as long as all the other tests on a real API
+# server together. What several units need compiled is compiled once for the run (`native_build_dir`).
 K8S_UNIT = "k8s-lab"
 K8S_VLLM_UNIT = "k8s-lab-vllm"
 K8S_VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
@@ -36,13 +32,12 @@ LONGEST_FIRST = (K8S_VLLM_UNIT, K8S_UNIT, "test_vllm")
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     units = {}
     for item in items:
-        module = item.path.stem
         if item.originalname in K8S_VLLM_TESTS:
             unit = K8S_VLLM_UNIT
         elif {"k8s_lab", "k8s_chart"} & set(getattr(item, "fixturenames", ())):
             unit = K8S_UNIT
         else:
-            unit = SHARED_UNITS.get(module, module)
+            unit = item.path.stem
         item.add_marker(pytest.mark.xdist_group(unit))
         units[item.nodeid] = unit
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
@@ -93,7 +88,7 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
 @pytest.fixture(scope="session")
 def native_build_dir(tmp_path_factory):
     """A directory holding the torch-native row binder compiled for this torch by `weightcache
-    build-native` (a real compile, 10-20 s, once per test session)."""
+    build-native` (a real compile, 10-20 s alone, once per run of the suite)."""
     from weightcache_agent.client import native_build
     from weightcache_agent.client.rebind import _bindfast
 
@@ -104,11 +99,17 @@ def native_build_dir(tmp_path_factory):
         if os.environ.get("CI"):
             pytest.fail(f"no C++ compiler {compiler!r} in CI: the torch-native binder goes untested")
         pytest.skip(f"no C++ compiler {compiler!r}")
-    into = tmp_path_factory.mktemp("native")
-    done = subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", "--into", str(into)],
-                          capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr
-    assert str(into / native_build.library_name(native_build.key())) in done.stdout
+    # One compile for the whole run: the workers' base directories share a parent, and the first
+    # worker to take the lock builds there while the others wait for it.
+    into = tmp_path_factory.getbasetemp().parent / "native"
+    into.mkdir(exist_ok=True)
+    with open(into / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (into / native_build.library_name(native_build.key())).exists():
+            done = subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", "--into", str(into)],
+                                  capture_output=True, text=True, timeout=280)
+            assert done.returncode == 0, done.stderr
+            assert str(into / native_build.library_name(native_build.key())) in done.stdout
     return into
 
 
