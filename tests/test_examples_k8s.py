@@ -83,7 +83,10 @@ def test_every_example_and_the_readme_quick_start_have_a_test_here() -> None:
 def operator(lab: Lab, root: Path):
     from weightcache_operator.config import OperatorConfig
 
-    with e2e_bench.operator_runner(lab, NS, root, OperatorConfig(poll_interval=1.0, agent_http_timeout=1.0)) as runner:
+    # A control key, as the chart gives the operator one: the agents name the pods that hold their
+    # leases only to its token, and without those names no primary is ever labelled serving.
+    config = OperatorConfig(poll_interval=1.0, agent_http_timeout=1.0, control_key=b"examples-control-key-0123456789")
+    with e2e_bench.operator_runner(lab, NS, root, config) as runner:
         yield runner
     assert runner.exception is None
 
