@@ -36,6 +36,7 @@ from operator_fixtures import (
     wait_for,
     weightcache,
 )
+from weightcache_agent.serve import agent_http
 
 pytestmark = [pytest.mark.asyncio, pytest.mark.timeout(90)]
 
@@ -366,6 +367,12 @@ async def test_an_engineset_that_does_not_serve_says_why_per_group(cluster: Kube
             refused["ranks"][0]["misses"] = 3
             a.doc = refused
             await wait_for(lambda: "which has refused 3 attach(es)" in ready_message("chat"), what="refusals named")
+
+            # What an agent shows a reader without its control token: each lease's role, no pod.
+            a.doc = agent_http._without_identities(node_status("node-a", [
+                lease(pods["chat-0-0"], "primary", "default/chat-0"), lease(pods["chat-0-1"], "standby", "default/chat-0")]))
+            await wait_for(lambda: "the agent on node-a holds 2 lease(s) but names the engines holding them only to its "
+                                   "control token" in ready_message("chat"), what="the missing control key named")
 
             a.doc = node_status("node-a", [lease(pods["chat-0-0"], "standby", "default/chat-0"),
                                            lease(pods["chat-0-1"], "standby", "default/chat-0")])

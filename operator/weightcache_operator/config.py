@@ -107,7 +107,8 @@ class OperatorConfig:
     # Upper bound of per-node entries written into .status.nodes (the CRD's maxItems).
     max_node_entries: int = 32
     # The key the agents' control tokens derive from (see ``controller.weightcache.control``);
-    # None: no planned switchovers, so template rollouts stall with a condition saying why.
+    # None: the agents name no engine holding a lease to this operator, so none is labelled
+    # serving and no planned switchover runs; the EngineSets' conditions say why.
     control_key: bytes | None = None
 
     @classmethod

@@ -70,3 +70,10 @@ def pod_roles(doc: Mapping[str, Any]) -> dict[str, str]:
             if isinstance(pod, Mapping) and isinstance(pod.get("name"), str) and isinstance(role, str):
                 out.setdefault(pod["name"], role)
     return out
+
+
+def unnamed_leases(doc: Mapping[str, Any]) -> int:
+    """Leases an agent's ``/status`` reduces to their role: what it shows a reader without its
+    control token (no key given to the operator, or another key than the agents')."""
+    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
+    return sum(1 for rank in ranks for lease in _lease_lists(rank) if "role" in lease and "pod" not in lease)

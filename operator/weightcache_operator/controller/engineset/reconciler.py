@@ -64,7 +64,7 @@ from ..weightcache.manifests import model_dir
 from ..weightcache.manifests import selector_labels as agent_selector_labels
 from ..weightcache.rollup import node_replicas
 from ..weightcache.transition import holds_for_memory, model_of
-from .leases import PodRef, pod_roles, primaries
+from .leases import PodRef, pod_roles, primaries, unnamed_leases
 from .manifests import (
     ANNOTATION_MODEL,
     LABEL_ENGINESET,
@@ -140,6 +140,10 @@ def why_not_serving(view: "CacheView", p: Placement, gp: "GroupPods", serving_po
     roles = view.roles.get(node, {})
     attached = sorted(name for x in gp.live.values() if (name := _meta(x).get("name")) in roles)
     if not attached:
+        if view.unnamed.get(node):
+            return (f"the agent on {node} holds {view.unnamed[node]} lease(s) but names the engines holding them only "
+                    "to its control token, and this operator's control key is missing or not the agents' "
+                    "(install with the chart, or set WEIGHTCACHE_CONTROL_KEY_FILE)")
         misses = view.misses.get(node, 0)
         if misses:
             return (f"no engine attached to the agent on {node}, which has refused {misses} attach(es) since it "
@@ -232,6 +236,8 @@ class CacheView:
     memory_hold: bool = False
     # node -> attaches its agent refused since it started (another fingerprint, a failed load)
     misses: dict[str, int] = dataclasses.field(default_factory=dict)
+    # node -> leases its agent named no engine of (it shows who holds them only to its control token)
+    unnamed: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class EngineSetReconciler(ObjectReconciler):
@@ -273,6 +279,7 @@ class EngineSetReconciler(ObjectReconciler):
         urls: dict[str, str] = {}
         unreachable: dict[str, str] = {}
         misses: dict[str, int] = {}
+        unnamed: dict[str, int] = {}
         current: set[str] = set()
         raw_by_name = {_meta(x).get("name"): x for x in raw}
         for agent in agents:
@@ -284,6 +291,7 @@ class EngineSetReconciler(ObjectReconciler):
                 continue
             prim[agent.node] = primaries(doc)
             roles[agent.node] = pod_roles(doc)
+            unnamed[agent.node] = unnamed_leases(doc)
             misses[agent.node] = sum(r["misses"] for r in doc.get("ranks") or []
                                      if isinstance(r, Mapping) and isinstance(r.get("misses"), int))
             if agent.url:
@@ -297,7 +305,8 @@ class EngineSetReconciler(ObjectReconciler):
                 if r["phase"] == "Ready" and len(r["gpus"]) == cs.tensor:
                     replicas.append(Replica(agent.node, r["index"], tuple(r["gpus"])))
         return CacheView(cs, ready, message, replicas, prim, unreachable,
-                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold, misses)
+                         {a.node for a in agents if a.node is not None}, roles, urls, current, memory_hold, misses,
+                         unnamed)
 
     async def _still_not_primary(self, namespace: str, es: EngineSetSpec,
                                  pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
