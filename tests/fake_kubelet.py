@@ -432,13 +432,9 @@ class FakeKubelet:
             env[var["name"]] = value
         return env
 
-    def _runnable(self, container: dict[str, Any]) -> bool:
-        command = container.get("command") or []
-        return self.run_commands and bool(command) and shutil.which(command[0]) is not None
-
     def _launch(self, run: PodRun) -> None:
         containers = run.pod.get("spec", {}).get("containers", [])
-        if not containers or not self._runnable(containers[0]):
+        if not containers or not self.run_commands or not containers[0].get("command"):
             return
         c = containers[0]
         env = self.container_env(run.pod, run, c)
@@ -446,6 +442,8 @@ class FakeKubelet:
         argv = [self._remap(_expand(a, env), mounts) for a in (c.get("command") or []) + (c.get("args") or [])]
         if self.argv_hook is not None:
             argv = self.argv_hook(run.pod, argv)
+        if shutil.which(argv[0]) is None:  # an image-only command: the pod merely looks alive
+            return
         run.log_path = self.log_dir / f"{run.namespace}_{run.name}.log"
         cwd = c.get("workingDir") if c.get("workingDir") and os.path.isdir(c["workingDir"]) else None
         run.container_started = _now()

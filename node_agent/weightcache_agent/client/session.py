@@ -35,6 +35,7 @@ from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, Protoco
 from ..load.fingerprint import differences, engine_request, model_name
 from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
+from ..path_owners import first_unsafe_directory
 from . import early
 from .env import (ENV_DEVICES, ENV_ENGINE, ENV_GROUP, ENV_POD, ENV_ROLE, ENV_SOCKET, ENV_SOCKET_DIR,  # noqa: F401 (re-exported)
                   identity_token_from_env, pod_from_env, socket_from_env)
@@ -392,25 +393,15 @@ def _connect_or_start(path: str, spec: CacheSpec, timeout: float) -> socketlib.s
 
 
 def _check_daemon_dir(directory: str) -> None:
-    """The agent's own rule for its socket's place (serve/access.py), checked before anything is
-    opened there: the directory and every one above it, as named and as resolved, belong to root
-    or this uid and nobody else may rename entries in them (others' write access only with the
-    sticky bit)."""
-    me = os.geteuid()
-    for chain in (directory, os.path.realpath(directory)):
-        path = "/"
-        for part in [""] + [p for p in chain.split("/") if p]:
-            path = os.path.join(path, part)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                break
-            if stat.S_ISLNK(st.st_mode):
-                continue  # its target is checked as resolved
-            if st.st_uid not in (0, me) or (st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX):
-                raise AgentUnavailable(f"not starting an agent for a socket in {directory}: {path} belongs to uid "
-                                       f"{st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), who could put files or an "
-                                       "agent of their own in its place; use a directory owned by root or this uid")
+    """The agent's own rule for its socket's place (`path_owners`), checked before anything is
+    opened there: the directory and every one above it belong to root or this uid and nobody else
+    may rename entries in them (others' write access only with the sticky bit)."""
+    found = first_unsafe_directory(directory)
+    if found is not None:
+        path, st = found
+        raise AgentUnavailable(f"not starting an agent for a socket in {directory}: {path} belongs to uid "
+                               f"{st.st_uid} (mode {stat.S_IMODE(st.st_mode):o}), who could put files or an "
+                               "agent of their own in its place; use a directory owned by root or this uid")
 
 
 def _open_daemon_log(log_path: str) -> int:

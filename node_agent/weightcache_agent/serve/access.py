@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import WeightCacheError
+from ..path_owners import first_unsafe_directory
 
 SOCKET_MODE = 0o660
 DIR_MODE = 0o750
@@ -187,26 +188,16 @@ def check_ancestors(directory: str) -> None:
     """Refuse when anyone but root or the agent could rename an entry of `directory` or of a
     directory above it, followed as named and as resolved: that person could move the socket
     directory aside and put one of their own in its place."""
-    named = os.path.abspath(directory)
-    for chain in (named, os.path.realpath(named)):
-        path = "/"
-        for part in [""] + [p for p in chain.split("/") if p]:
-            path = os.path.join(path, part)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                break
-            if stat.S_ISLNK(st.st_mode):
-                continue  # the link's directory was checked; its target is checked as resolved
-            if not stat.S_ISDIR(st.st_mode):
-                break  # _file_in_the_way names it
-            if st.st_uid not in (0, os.geteuid()):
-                raise AccessError(f"{path}, on the socket's path, belongs to uid {st.st_uid}, who could rename the "
-                                  "socket directory and put another in its place: use a path owned by root")
-            if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-                raise AccessError(f"{path}, on the socket's path, is writable by others (mode "
-                                  f"{stat.S_IMODE(st.st_mode):o}) without the sticky bit: they could rename the "
-                                  "socket directory and put another in its place; make it 0755")
+    found = first_unsafe_directory(directory)
+    if found is None:
+        return
+    path, st = found
+    if st.st_uid not in (0, os.geteuid()):
+        raise AccessError(f"{path}, on the socket's path, belongs to uid {st.st_uid}, who could rename the "
+                          "socket directory and put another in its place: use a path owned by root")
+    raise AccessError(f"{path}, on the socket's path, is writable by others (mode {stat.S_IMODE(st.st_mode):o}) "
+                      "without the sticky bit: they could rename the socket directory and put another in its place; "
+                      "make it 0755")
 
 
 def _file_in_the_way(path: str) -> str | None:
