@@ -130,11 +130,9 @@ class VllmExample(e2e_bench.EndToEnd):
             # vLLM's own environment; its working directory outside the checkout, whose build metadata
             # would stand in for the installed package's entry points. vLLM's CPU build's `vllm` command
             # fails at start (it looks up the distribution `vllm`): its server module, the model as --model.
-            # One process fewer per engine: the worker runs in the engine core's process (`uni`), where
-            # a separate one would import vLLM a third time (~30 s of CPU each on a CI machine).
             env = [f"{k}={v}" for k, v in vllm_environment(self.kv_cache_gib).items()]
             args = ["-m", "vllm.entrypoints.openai.api_server", "--model",
-                    *[a for a in argv[2:] if a != "--enable-sleep-mode"], "--distributed-executor-backend", "uni"]
+                    *[a for a in argv[2:] if a != "--enable-sleep-mode"]]
             return ["env", "-u", "PYTHONPATH", "-C", str(self.root), *env, self.vllm_python, *args]
         return argv
 
@@ -161,14 +159,13 @@ class VllmExample(e2e_bench.EndToEnd):
         return run.host_ports.get(8000) if run is not None else None
 
     def worker_memory(self, pod: str) -> dict[str, int]:
-        """RssAnon / RssShmem (bytes) of the pod's vLLM process holding the KV cache: its worker's,
-        which runs in the engine core's process here (`uni`)."""
+        """RssAnon / RssShmem (bytes) of the pod's vLLM worker process (the one holding the KV cache)."""
         run = self.kubelet.run_of(NS, pod)
         if run is None or run.proc is None:
             return {}
         for pid in _descendants(run.proc.pid):
             status = _proc_status(pid)
-            if status.get("Name", "").startswith(("VLLM::Worker", "VLLM::EngineCor")):
+            if status.get("Name", "").startswith("VLLM::Worker"):
                 return {k: int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in status}
         return {}
 
