@@ -15,30 +15,42 @@ from k8s_lab import Lab, unavailable_reason
 
 # How the suite is spread over pytest-xdist's workers (`--dist loadgroup`, set in pyproject.toml):
 # each module is one unit, so its module-scoped agents and engines start once; the tests on a real
-# control plane share one unit, so it is started once. Two control planes run side by side: the vLLM
-# EngineSet example (four vLLM engines) alone takes as long as all the other tests on a real API
-# server together. What several units need compiled is compiled once for the run (`native_build_dir`).
+# control plane share one unit, so it is started once. vLLM's engines are the heaviest processes of
+# the run (three per engine, each importing vLLM): its tests, the EngineSet example's four engines on
+# a control plane of their own among them, are one unit, so that they never start beside each other
+# on a machine of two cores. What several units need compiled is compiled once (`native_build_dir`).
 K8S_UNIT = "k8s-lab"
-K8S_VLLM_UNIT = "k8s-lab-vllm"
-K8S_VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
+VLLM_UNIT = "vllm"
+VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
 
 
-# The longest units, handed out first (workers take units in collection order): started last, one of
+# The torch-native binder's compile (docs/install.md gives its time per machine) takes minutes while
+# the run starts its engines and control planes beside it: the tests whose setup may wait for it
+# get that time on top of their own.
+NATIVE_BUILD_TIMEOUT = 900
+NATIVE_FIXTURES = {"native", "native_build_dir", "torch_rows"}
+
+
+# The longest units (as measured by `--durations=0` in CI), handed out first: started last, one of
 # them would run alone at the end of the run.
-LONGEST_FIRST = (K8S_VLLM_UNIT, K8S_UNIT, "test_vllm")
+LONGEST_FIRST = (VLLM_UNIT, K8S_UNIT, "test_bind_manifest", "test_wheel", "test_agent_client", "test_native_build",
+                 "test_first_day", "test_rolling_upgrade", "test_k8s_install_uninstall", "test_prepare",
+                 "test_cli_mistakes", "test_engineset_kmock", "test_demo", "test_demo_narration")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     units = {}
     for item in items:
-        if item.originalname in K8S_VLLM_TESTS:
-            unit = K8S_VLLM_UNIT
+        if item.originalname in VLLM_TESTS or item.path.stem == "test_vllm":
+            unit = VLLM_UNIT
         elif {"k8s_lab", "k8s_chart"} & set(getattr(item, "fixturenames", ())):
             unit = K8S_UNIT
         else:
             unit = item.path.stem
         item.add_marker(pytest.mark.xdist_group(unit))
+        if NATIVE_FIXTURES & set(getattr(item, "fixturenames", ())) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(NATIVE_BUILD_TIMEOUT + 300))  # its setup may wait for the compile
         units[item.nodeid] = unit
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(units[item.nodeid], len(rank)))  # stable: the rest keep their order
@@ -107,7 +119,7 @@ def native_build_dir(tmp_path_factory):
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (into / native_build.library_name(native_build.key())).exists():
             done = subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", "--into", str(into)],
-                                  capture_output=True, text=True, timeout=280)
+                                  capture_output=True, text=True, timeout=NATIVE_BUILD_TIMEOUT)
             assert done.returncode == 0, done.stderr
             assert str(into / native_build.library_name(native_build.key())) in done.stdout
     return into

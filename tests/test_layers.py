@@ -27,7 +27,7 @@ class Package:
 
 
 AGENT = Package("weightcache_agent", pathlib.Path(weightcache_agent.__file__).parent, (
-    {"base": {"errors", "spec", "quantization", "protocol", "packed_rows", "logs", "usage"}},
+    {"base": {"errors", "spec", "quantization", "protocol", "packed_rows", "logs", "usage", "path_owners"}},
     {"arena": {"arena"}},
     {"load": {"load"}},
     {"client": {"client"}, "serve": {"serve"}, "testing": {"testing"}},

@@ -12,7 +12,8 @@ Layers, lowest first; a module imports only from layers below its own (and its o
 subpackage), which `tests/test_layers.py` checks:
   base      errors, spec, quantization, protocol,        what every process shares
             packed_rows (a manifest's rows, binary),
-            logs, usage (help layout, exit codes)
+            logs, usage (help layout, exit codes),
+            path_owners (who could swap a socket's directory)
   arena     cpu (memfd), cuda (VMM), devices             the memory weights live in
   load      checkpoint -> shard -> quantize -> arena     the cold path, and the fingerprint
   client    session (attach), rebind                     what an engine imports

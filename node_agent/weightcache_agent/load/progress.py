@@ -93,6 +93,7 @@ class LoadProgress:
     started: float = field(default_factory=time.monotonic)
     _bar: Any = None
     _stop: threading.Event | None = None
+    _ticker: threading.Thread | None = None
 
     def start(self, bytes_total: int, tensors_total: int, show_bar: bool, *, bytes_resident: int = 0,
               tensors_resident: int = 0, quantization: str = "none", log_every: float = 0.0, what: str = "") -> None:
@@ -115,8 +116,9 @@ class LoadProgress:
                 self._bar.set_postfix_str(f"0/{tensors_total} source tensors", refresh=False)
         elif log_every > 0:
             self._stop = threading.Event()
-            threading.Thread(target=self._tick, args=(self._stop, log_every, what), name="progress",
-                             daemon=True).start()
+            self._ticker = threading.Thread(target=self._tick, args=(self._stop, log_every, what), name="progress",
+                                            daemon=True)
+            self._ticker.start()
 
     def advance(self, nbytes: int, tensors: int = 0) -> None:
         self.bytes_done += nbytes
@@ -130,6 +132,9 @@ class LoadProgress:
         if self._stop is not None:
             self._stop.set()
             self._stop = None
+        if self._ticker is not None:  # a line being written now comes before the load's last line, never after
+            self._ticker.join()
+            self._ticker = None
         if self._bar is not None:
             from ..logs import TERMINAL_LOCK
 
