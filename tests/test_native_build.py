@@ -45,9 +45,12 @@ def import_from(base: str) -> ModuleType:
     return fresh
 
 
+pytestmark = pytest.mark.timeout(900)  # compiles, beside other workers on two cores
+
+
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "build-native", *args],
-                          capture_output=True, text=True, timeout=280, env={**os.environ, **env})
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **env})
 
 
 def test_a_build_is_found_only_by_the_torch_it_was_built_for(native_build_dir, monkeypatch):

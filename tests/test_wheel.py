@@ -18,7 +18,7 @@ import pytest
 import torch
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)  # a build, a fresh venv's installs and the binder's compile, beside other workers
 
 
 def run(*argv: object, timeout: float = 600, **kw) -> subprocess.CompletedProcess:
