@@ -53,8 +53,8 @@ SAMPLE_BYTES = 16384
 
 
 # Samples are read with O_DIRECT where the filesystem takes it: a buffered 16 KiB read pulls the
-# kernel's readahead window into the page cache with it, 64 times per shard, and the load that
-# follows would then read those pages buffered, or worse, the page cache would keep them.
+# kernel's read-ahead window into the page cache with it, 64 times per shard, and pages left there
+# make the load that follows read them buffered and keep a copy of the weights in host memory.
 _ALIGN = 4096
 
 
