@@ -100,7 +100,7 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
 @pytest.fixture(scope="session")
 def native_build_dir(tmp_path_factory):
     """A directory holding the torch-native row binder compiled for this torch by `weightcache
-    build-native` (a real compile, 10-20 s alone, once per run of the suite)."""
+    build-native` (a real compile, its time per machine in docs/install.md; once per run of the suite)."""
     from weightcache_agent.client import native_build
     from weightcache_agent.client.rebind import _bindfast
 

@@ -13,14 +13,13 @@ import dataclasses
 import os
 from collections.abc import Mapping
 
-from .api.v1alpha1.weightcache_types import CacheSpec, SpecError
+# SOCKET_ROOT: a constant of the API (engine pods mount their cache's directory under it), re-exported here.
+from .api.v1alpha1.weightcache_types import SOCKET_ROOT, CacheSpec, SpecError  # noqa: F401
 
 # Defaults match the chart's values.yaml; a test checks that they agree.
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 DEFAULT_MODEL_ROOT = "/models"
-# The socket root: a constant of the API (engine pods mount their cache's directory under it).
-from .api.v1alpha1.weightcache_types import SOCKET_ROOT  # noqa: E402
 AGENT_HTTP_PORT = 9464
 
 ENV_PREFIX = "WEIGHTCACHE_"

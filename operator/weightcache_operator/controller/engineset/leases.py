@@ -24,6 +24,13 @@ class PodRef:
     promoted_at: float | None = None
 
 
+def _ranks(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The well-formed entries of an agent's ``ranks``, rank 0 first (entries without a rank last)."""
+    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
+    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
+    return ranks
+
+
 def _lease_lists(rank: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
     for key in ("leases", "clients"):
         leases = rank.get(key)
@@ -39,10 +46,8 @@ def primaries(doc: Mapping[str, Any]) -> dict[str, PodRef]:
     that writes the serving label at a failover, so its view wins; other ranks fill
     in groups rank 0 does not list. Malformed entries are skipped.
     """
-    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
-    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
     out: dict[str, PodRef] = {}
-    for rank in ranks:
+    for rank in _ranks(doc):
         for lease in _lease_lists(rank):
             group, pod = lease.get("group"), lease.get("pod")
             if lease.get("role") != "primary" or not isinstance(group, str) or group in out:
@@ -61,10 +66,8 @@ def primaries(doc: Mapping[str, Any]) -> dict[str, PodRef]:
 
 def pod_roles(doc: Mapping[str, Any]) -> dict[str, str]:
     """Pod name -> the role an agent's leases give it (rank 0's view first, as in `primaries`)."""
-    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
-    ranks.sort(key=lambda r: r.get("rank") if isinstance(r.get("rank"), int) else 1 << 30)
     out: dict[str, str] = {}
-    for rank in ranks:
+    for rank in _ranks(doc):
         for lease in _lease_lists(rank):
             pod, role = lease.get("pod"), lease.get("role")
             if isinstance(pod, Mapping) and isinstance(pod.get("name"), str) and isinstance(role, str):
@@ -75,5 +78,4 @@ def pod_roles(doc: Mapping[str, Any]) -> dict[str, str]:
 def unnamed_leases(doc: Mapping[str, Any]) -> int:
     """Leases an agent's ``/status`` reduces to their role: what it shows a reader without its
     control token (no key given to the operator, or another key than the agents')."""
-    ranks = [r for r in doc.get("ranks") or [] if isinstance(r, Mapping)] if isinstance(doc.get("ranks"), list) else []
-    return sum(1 for rank in ranks for lease in _lease_lists(rank) if "role" in lease and "pod" not in lease)
+    return sum(1 for rank in _ranks(doc) for lease in _lease_lists(rank) if "role" in lease and "pod" not in lease)
