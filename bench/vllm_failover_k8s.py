@@ -12,7 +12,9 @@ loopback port (pods share one loopback here); vLLM's CPU build sizes its KV cach
 `VLLM_CPU_KVCACHE_SPACE` (set in the node's environment: the example's
 `--gpu-memory-utilization 0.45` would be 45% of host memory per engine on CPU) and refuses
 `--enable-sleep-mode`, a CUDA allocator's feature, which is dropped from the command: on CPU
-a standby releases its KV cache without it.
+a standby releases its KV cache without it; and the engines run `--enforce-eager`: vLLM's CPU
+build traces the model with torch.compile at every start (45 s of a core per engine here, its
+saved artifact failing to load again in vLLM-CPU 0.32), which is not what this measures.
 
 The client: one thread sends OpenAI completions, one every 200 ms, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
@@ -132,7 +134,7 @@ class VllmExample(e2e_bench.EndToEnd):
             # fails at start (it looks up the distribution `vllm`): its server module, the model as --model.
             env = [f"{k}={v}" for k, v in vllm_environment(self.kv_cache_gib).items()]
             args = ["-m", "vllm.entrypoints.openai.api_server", "--model",
-                    *[a for a in argv[2:] if a != "--enable-sleep-mode"]]
+                    *[a for a in argv[2:] if a != "--enable-sleep-mode"], "--enforce-eager"]
             return ["env", "-u", "PYTHONPATH", "-C", str(self.root), *env, self.vllm_python, *args]
         return argv
 

@@ -15,13 +15,13 @@ from k8s_lab import Lab, unavailable_reason
 
 # How the suite is spread over pytest-xdist's workers (`--dist loadgroup`, set in pyproject.toml):
 # each module is one unit, so its module-scoped agents and engines start once; the tests on a real
-# control plane share one unit, so it is started once. vLLM's engines are the heaviest processes of
-# the run (three per engine, each importing vLLM): its tests, the EngineSet example's four engines on
-# a control plane of their own among them, are one unit, so that they never start beside each other
-# on a machine of two cores. What several units need compiled is compiled once (`native_build_dir`).
+# control plane share one unit, so it is started once. The EngineSet example's four vLLM engines,
+# on a control plane of their own, are a unit of their own that starts first beside test_vllm's
+# engines: the two longest units of the run. What several units need compiled is compiled once
+# (`native_build_dir`).
 K8S_UNIT = "k8s-lab"
-VLLM_UNIT = "vllm"
-VLLM_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
+VLLM_EXAMPLE_UNIT = "vllm-example"
+VLLM_EXAMPLE_TESTS = {"test_vllm_engineset_serves_and_fails_over_as_shipped"}
 
 
 # The torch-native binder's compile (docs/install.md gives its time per machine) takes minutes while
@@ -33,8 +33,8 @@ NATIVE_FIXTURES = {"native", "native_build_dir", "torch_rows"}
 
 # The longest units (as measured by `--durations=0` in CI), handed out first: started last, one of
 # them would run alone at the end of the run.
-LONGEST_FIRST = (VLLM_UNIT, K8S_UNIT, "test_bind_manifest", "test_wheel", "test_agent_client", "test_native_build",
-                 "test_first_day", "test_rolling_upgrade", "test_k8s_install_uninstall", "test_prepare",
+LONGEST_FIRST = (VLLM_EXAMPLE_UNIT, "test_vllm", K8S_UNIT, "test_wheel", "test_bind_manifest", "test_agent_client",
+                 "test_native_build", "test_first_day", "test_rolling_upgrade", "test_k8s_install_uninstall", "test_prepare",
                  "test_cli_mistakes", "test_engineset_kmock", "test_demo", "test_demo_narration")
 
 
@@ -42,8 +42,8 @@ LONGEST_FIRST = (VLLM_UNIT, K8S_UNIT, "test_bind_manifest", "test_wheel", "test_
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     units = {}
     for item in items:
-        if item.originalname in VLLM_TESTS or item.path.stem == "test_vllm":
-            unit = VLLM_UNIT
+        if item.originalname in VLLM_EXAMPLE_TESTS:
+            unit = VLLM_EXAMPLE_UNIT
         elif {"k8s_lab", "k8s_chart"} & set(getattr(item, "fixturenames", ())):
             unit = K8S_UNIT
         else:
@@ -54,6 +54,45 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         units[item.nodeid] = unit
     rank = {unit: i for i, unit in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(units[item.nodeid], len(rank)))  # stable: the rest keep their order
+
+
+# Where a run's CPU goes: on a machine of two cores the suite's wall time is bounded below by its CPU
+# seconds over two, so CI's time is cut by cutting these. Each phase of a test reports the CPU its
+# worker and the processes the worker reaped spent since the previous phase (processes left running,
+# a control plane's, are counted where they are reaped); the summary adds them up per unit.
+_cpu_mark = [0.0]
+
+
+def _cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    now = _cpu_seconds()
+    outcome.get_result().user_properties.append(("cpu_s", now - (_cpu_mark[0] or now)))
+    _cpu_mark[0] = now
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    spent = dict(report.user_properties).get("cpu_s")
+    if spent is not None:
+        unit = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else report.nodeid.split("::")[0]
+        _cpu_by_unit[unit] = _cpu_by_unit.get(unit, 0.0) + spent
+
+
+_cpu_by_unit: dict[str, float] = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if not _cpu_by_unit:
+        return
+    total = sum(_cpu_by_unit.values())
+    terminalreporter.write_sep("=", f"CPU seconds by unit: {total:.0f} s in all")
+    for unit, spent in sorted(_cpu_by_unit.items(), key=lambda kv: -kv[1])[:20]:
+        terminalreporter.write_line(f"{spent:8.1f}s  {unit}")
 
 
 @pytest.fixture(scope="session")
