@@ -15,9 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_fixtures import AgentProcess, fd_count, wait_for
+from agent_fixtures import fd_count, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 

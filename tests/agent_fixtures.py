@@ -1,10 +1,10 @@
-"""Shared helpers for tests that run real agent processes."""
+"""Shared helpers for tests that run real agent processes (the agent itself:
+`weightcache_agent.testing.agent_process`)."""
 from __future__ import annotations
 
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -13,68 +13,9 @@ import time
 from collections import Counter
 from typing import Any, Callable
 
-from weightcache_agent import agent_status
-from weightcache_agent.errors import AgentUnavailable
+from weightcache_agent.testing.agent_process import maps_libtorch  # noqa: F401  (tests take it from here, with the other /proc probes)
 
 PROBE = os.path.join(os.path.dirname(__file__), "engine_probe.py")
-
-
-class AgentProcess:
-    """`weightcache agent` as a subprocess; `wait_ready()` polls its status over the socket.
-
-    As a context manager: ready when the block starts, stopped when it ends (also when it never
-    became ready)."""
-
-    def __init__(self, model: str, socket: str, *extra: str):
-        self.socket = socket
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "weightcache_agent", "agent", "--model", model, "--socket", socket, "--progress", "never", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )
-
-    def wait_ready(self, timeout: float = 60.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"agent exited with {self.proc.returncode}: {self.exit_output()}")
-            try:
-                status = agent_status(self.socket)
-                if status["phase"] == "ready":
-                    return status
-            except AgentUnavailable:
-                pass
-            time.sleep(0.02)
-        raise AssertionError("agent did not become ready")
-
-    def __enter__(self) -> AgentProcess:
-        try:
-            self.wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def status(self) -> dict[str, Any]:
-        return agent_status(self.socket)
-
-    def exit_output(self) -> str:
-        return self.proc.stderr.read()
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
-
-    def stderr(self) -> str:
-        return self.proc.stderr.read() if self.proc.poll() is not None else ""
 
 
 class Probe:
@@ -157,12 +98,6 @@ def open_files(pid: int) -> Counter:
             continue
         kinds[re.sub(r":\[\d+\]$", "", target)] += 1
     return kinds
-
-
-def maps_libtorch(pid: int) -> bool:
-    """Whether the process has torch's library mapped: it imported torch."""
-    with open(f"/proc/{pid}/maps") as f:
-        return any("libtorch" in line for line in f)
 
 
 def map_count(pid: int) -> int:

@@ -13,10 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from agent_fixtures import AgentProcess, Probe, fd_count, map_count, maps_libtorch, open_files, wait_for
+from agent_fixtures import Probe, fd_count, map_count, maps_libtorch, open_files, wait_for
 from weightcache_agent import CacheSpec, FingerprintMismatch, UnsupportedQuantization, agent_status, attach
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.errors import AgentUnavailable, WeightCacheError
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,

@@ -8,9 +8,9 @@ import struct
 
 import pytest
 
-from agent_fixtures import AgentProcess
 from loader_fixtures import load, read_header, write_raw
 from weightcache_agent.errors import CheckpointError, OutOfMemory
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)

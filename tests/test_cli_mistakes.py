@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from agent_fixtures import AgentProcess
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 from weightcache_agent.usage import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 

@@ -17,9 +17,10 @@ import weakref
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess, maps_libtorch
+from agent_fixtures import maps_libtorch
 from weightcache_agent.load import fp8
 from weightcache_agent.load.cuda_fill import quantize_blocks
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 

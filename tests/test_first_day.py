@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from agent_fixtures import AgentProcess
 from engine_fixtures import SMALL_LLAMA, short_run_dir
 from k8s_lab import free_ports
 from test_cli_mistakes import one_line, weightcache
 from weightcache_agent import CacheSpec, agent_status, protocol
 from weightcache_agent.load.fingerprint import engine_request
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 from weightcache_agent.usage import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 

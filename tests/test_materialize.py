@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from agent_fixtures import AgentProcess
 from engine_fixtures import short_run_dir
 from weightcache_agent import CacheSpec, attach
 from weightcache_agent.client.materialize import Materialize, Pending
 from weightcache_agent.errors import AttachError
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import write_checkpoint
 
 BF16 = torch.bfloat16

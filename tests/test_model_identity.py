@@ -12,9 +12,9 @@ import shutil
 
 import pytest
 
-from agent_fixtures import AgentProcess
 from weightcache_agent import CacheSpec, FingerprintMismatch, attach
 from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import AgentProcess
 from test_cli_mistakes import weightcache
 from weightcache_agent import CacheSpec, FingerprintMismatch, agent_status, attach
 from weightcache_agent.errors import AgentUnavailable
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.serve import serving_label
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 SERVE = Path(serving_label.__file__).resolve().parent

@@ -10,7 +10,7 @@ from array import array
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess, FakeAgent, open_files, wait_for
+from agent_fixtures import FakeAgent, open_files, wait_for
 from bind_fixtures import native, nothing_swapped  # noqa: F401 (native: a fixture)
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.arena.cpu import CpuArena
@@ -20,6 +20,7 @@ from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.load.fingerprint import engine_request
 from weightcache_agent.load.layout import lay_out
 from weightcache_agent.packed_rows import PackedRows
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 

@@ -10,8 +10,9 @@ import textwrap
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess, wait_for
+from agent_fixtures import wait_for
 from weightcache_agent.errors import AgentUnavailable
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 

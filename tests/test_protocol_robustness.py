@@ -10,10 +10,11 @@ import time
 
 import pytest
 
-from agent_fixtures import AgentProcess, Probe, wait_for
+from agent_fixtures import Probe, wait_for
 from weightcache_agent import CacheSpec, attach, protocol
 from weightcache_agent.errors import ProtocolError
 from weightcache_agent.load.checkpoint import open_checkpoint
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 

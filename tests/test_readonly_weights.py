@@ -17,7 +17,7 @@ import textwrap
 
 import pytest
 
-from agent_fixtures import AgentProcess
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 ENGINE = textwrap.dedent("""

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from agent_fixtures import AgentProcess, Probe, maps_libtorch, wait_for
+from agent_fixtures import Probe, maps_libtorch, wait_for
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint
 
 

@@ -17,12 +17,12 @@ import shutil
 import pytest
 import torch
 
-from agent_fixtures import AgentProcess
 from weightcache_agent import CacheSpec, attach
 from weightcache_agent.arena.cpu import new_cpu_arena
 from weightcache_agent.errors import CheckpointError, FingerprintMismatch
 from weightcache_agent.load.checkpoint import open_checkpoint
 from weightcache_agent.load.loader import fill_cache, prepare_cache
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, skeleton_module, write_llama_checkpoint
 
 SHAPE = LlamaShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import AgentProcess
 from weightcache_agent.load.progress import size_text
+from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint, write_word_tokenizer
 
 VLLM_PYTHON = os.environ.get("WEIGHTCACHE_VLLM_PYTHON")
