@@ -7,7 +7,7 @@ choice of primary in each serving group. Laid out by resource, as kubebuilder
 operators are; each layer imports only the ones above it in this list:
 
 - ``api.v1alpha1``          the CRDs' group and version; each kind's spec -> a validated,
-                            normalized spec (``weightcache_types``: ``CacheSpec``,
+                            normalized spec (``weightcache_types``: ``WeightCacheSpec``,
                             ``engineset_types``: ``EngineSetSpec``), the same rules as
                             the CRDs' schema and CEL, re-checked here;
 - shared by both resources:

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 
 # SOCKET_ROOT: a constant of the API (engine pods mount their cache's directory under it), re-exported here.
-from .api.v1alpha1.weightcache_types import SOCKET_ROOT, CacheSpec, SpecError  # noqa: F401
+from .api.v1alpha1.weightcache_types import SOCKET_ROOT, SpecError, WeightCacheSpec  # noqa: F401
 
 # Defaults match the chart's values.yaml; a test checks that they agree.
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
@@ -196,7 +196,7 @@ class OperatorConfig:
         roots = ((namespace,) if self.model_paths_per_namespace else ()) + self.model_paths_shared
         return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
 
-    def admit_cache(self, cs: CacheSpec, namespace: str) -> None:
+    def admit_cache(self, cs: WeightCacheSpec, namespace: str) -> None:
         """Refuse, with a SpecError, what the admin has not allowed a namespace's WeightCache: its agent
         image, a model path outside the namespace's roots, tolerations of the control plane's taint."""
         self.agent_image_for(cs.agent_image)

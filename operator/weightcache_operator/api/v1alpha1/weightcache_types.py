@@ -1,11 +1,11 @@
-"""A WeightCache's ``.spec`` -> a validated, normalized ``CacheSpec``.
+"""A WeightCache's ``.spec`` -> a validated, normalized ``WeightCacheSpec``.
 
 The CRD rejects bad specs at apply time (OpenAPI schema + CEL). The operator checks
 the same rules again here because an object can reach it without them: created
 before the CRD was upgraded, on a cluster where CEL validation is off, or with
 validation bypassed. Such an object must end up as a Degraded condition with the
 reason, never as agents serving wrong numbers. Everything downstream (manifest
-builders, status) works on ``CacheSpec`` only, never on the raw dict.
+builders, status) works on ``WeightCacheSpec`` only, never on the raw dict.
 """
 from __future__ import annotations
 
@@ -15,17 +15,24 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from weightcache_agent import quantization
+
 # The agents' host socket root: part of the contract with engine pods (they mount their cache's
 # directory under it), so a constant of the API, not a setting.
 SOCKET_ROOT = "/run/weightcache"
 
-SUPPORTED_QUANTIZATION = ("none", "fp8-block")
-# Methods the agent refuses, and why: the CRD's CEL rule carries the same sentence.
+# The agent decides what it can serve from shared tensors; the operator only repeats its verdict
+# earlier, at the spec, so it takes the list from the agent rather than keeping a copy to drift.
+SUPPORTED_QUANTIZATION = quantization.ALLOWED
+# The well-known methods the CRD's CEL rule names, refused with a reason rather than as unknown:
+# the agent's table of their reasons is its own, so the names are listed here and a test holds
+# them to the CRD's rule and to the agent's refusals.
 REFUSED_QUANTIZATION = ("fp8-per-tensor", "marlin", "awq", "gptq")
+# The CRD's CEL rule carries the same sentence.
 REFUSED_WHY = (
     "it keeps part of its effect outside the shared tensors (Python-side metadata or a "
     "re-layout of the weights), so a raw tensor share would serve wrong numbers silently; "
-    "use none or fp8-block."
+    f"use {' or '.join(SUPPORTED_QUANTIZATION)}."
 )
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 LAYOUTS = ("file", "vllm")  # the agent's --layout choices
@@ -62,8 +69,12 @@ class ShardingRule:
 
 
 @dataclasses.dataclass(frozen=True)
-class CacheSpec:
-    """What one WeightCache asks for, with defaults applied and rules checked."""
+class WeightCacheSpec:
+    """What one WeightCache asks for, with defaults applied and rules checked.
+
+    Not the agent's ``weightcache_agent.spec.CacheSpec``: that one is what an engine asks of
+    one agent rank (``tp_size``, ``tp_rank``); this one is a whole cache across nodes
+    (``tensor`` and the other parallel sizes, where its model comes from, how agents run)."""
 
     model_path: str | None
     model_pvc: str | None
@@ -181,7 +192,7 @@ def _sharding(spec: Mapping[str, Any]) -> tuple[str | None, tuple[ShardingRule, 
     return preset, tuple(out)
 
 
-def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
+def parse_spec(spec: Mapping[str, Any]) -> WeightCacheSpec:
     """Validate a WeightCache spec (as stored, defaults maybe not applied) and normalize it."""
     if not isinstance(spec, Mapping):
         raise SpecError("InvalidSpec", "spec must be an object")
@@ -234,7 +245,7 @@ def parse_spec(spec: Mapping[str, Any]) -> CacheSpec:
     if resources is not None and not isinstance(resources, Mapping):
         raise SpecError("InvalidSpec", "agent.resources must be an object")
 
-    return CacheSpec(
+    return WeightCacheSpec(
         model_path=path,
         model_pvc=pvc,
         revision=revision,

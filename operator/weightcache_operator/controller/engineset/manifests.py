@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...api.v1alpha1.engineset_types import GPU_RESOURCE, EngineSetSpec
-from ...api.v1alpha1.weightcache_types import CacheSpec
+from ...api.v1alpha1.weightcache_types import WeightCacheSpec
 from ...config import OperatorConfig
 from ..weightcache.manifests import (
     GPU_TOLERATION,
@@ -100,7 +100,7 @@ def service_selector(name: str) -> dict[str, str]:
     return {LABEL_ENGINESET: name, LABEL_SERVING: "true"}
 
 
-def template_hash(es: EngineSetSpec, cs: CacheSpec, config: OperatorConfig) -> str:
+def template_hash(es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig) -> str:
     """Hash of everything that shapes an engine pod except its placement, slot and role."""
     return content_hash({
         "template": es.template,
@@ -112,7 +112,7 @@ def template_hash(es: EngineSetSpec, cs: CacheSpec, config: OperatorConfig) -> s
     })
 
 
-def model_label(cs: CacheSpec) -> str:
+def model_label(cs: WeightCacheSpec) -> str:
     """What model an engine pod attaches, for people: the directory and the revision."""
     return f"{model_dir(cs)}@{cs.revision}" if cs.revision else model_dir(cs)
 
@@ -160,7 +160,7 @@ def _read_only_mounts(container: Mapping[str, Any], volumes: tuple[str, ...], so
     return c
 
 
-def _env(es: EngineSetSpec, cs: CacheSpec, namespace: str, name: str, p: Placement, model: str,
+def _env(es: EngineSetSpec, cs: WeightCacheSpec, namespace: str, name: str, p: Placement, model: str,
          role: str = "auto") -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"fieldRef": {"fieldPath": path}}
@@ -187,9 +187,95 @@ def _env(es: EngineSetSpec, cs: CacheSpec, namespace: str, name: str, p: Placeme
     return env
 
 
+# The operator's own volumes in an engine pod: a template's entries of these names are replaced.
+OUR_VOLUMES = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME, SHARDING_VOLUME)
+
+
+def _pod_metadata(es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig, template: Mapping[str, Any],
+                  name: str, p: Placement, serving: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(labels, annotations) of an engine pod: the template's, with ours on top."""
+    tmeta = template.get("metadata") or {}
+    labels = {k: v for k, v in (tmeta.get("labels") or {}).items()}
+    labels.update(_object_labels(name, p.group))
+    labels[LABEL_SERVING] = "true" if serving else "false"
+    labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
+    # Whose agents serve it: the admission policy lets only that cache's agents mark it serving.
+    labels[LABEL_CACHE] = es.cache_name
+    annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p),
+                   ANNOTATION_MODEL: model_label(cs)}
+    return labels, annotations
+
+
+def _our_mounts(cs: WeightCacheSpec, sockets: str) -> list[dict[str, Any]]:
+    # The socket directory read-only: connect() works through a read-only mount, while
+    # unlinking or renaming the socket, its lock or its state file does not.
+    mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets, "readOnly": True},
+              {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
+              {"name": IDENTITY_VOLUME, "mountPath": IDENTITY_MOUNT, "readOnly": True}]
+    if cs.sharding_rules:
+        mounts.append({"name": SHARDING_VOLUME, "mountPath": SHARDING_MOUNT, "readOnly": True})
+    return mounts
+
+
+def _engine_container(container: Mapping[str, Any], es: EngineSetSpec, env: list[dict[str, Any]],
+                      mounts: list[dict[str, Any]], sockets: str) -> dict[str, Any]:
+    """One of the template's containers with our environment and mounts, and the GPUs bound our way."""
+    c = dict(container)
+    c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + env
+    c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
+                         if m.get("name") not in OUR_VOLUMES
+                         and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT, SHARDING_MOUNT)] + mounts
+    resources = _strip_gpu_resource(c.get("resources") or {})
+    if es.mode == "dra":
+        claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
+        resources["claims"] = claims + [{"name": CLAIM_REF}]
+    if resources:
+        c["resources"] = resources
+    else:
+        c.pop("resources", None)
+    return c
+
+
+def _pod_volumes(spec: Mapping[str, Any], es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig,
+                 sockets: str) -> list[dict[str, Any]]:
+    """The template's volumes, ours replacing any of the same names."""
+    if cs.model_pvc is not None:
+        models: dict[str, Any] = {"name": MODEL_VOLUME,
+                                  "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True}}
+    else:
+        models = {"name": MODEL_VOLUME, "hostPath": {"path": config.model_root, "type": "Directory"}}
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") not in OUR_VOLUMES] + [
+        # The agent creates the directory; an engine scheduled before it waits in ContainerCreating.
+        {"name": SOCKET_VOLUME, "hostPath": {"path": sockets, "type": "Directory"}},
+        models,
+        # Which pod this is, as the API server will confirm to the agent: a token bound to the
+        # pod, for weightcache's audience only (useless against the API server itself).
+        {"name": IDENTITY_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
+            "audience": IDENTITY_AUDIENCE, "expirationSeconds": IDENTITY_TOKEN_SECONDS, "path": "token"}}]}},
+    ]
+    if cs.sharding_rules:  # the rules the cache's agents read, from the ConfigMap the operator keeps for them
+        volumes.append({"name": SHARDING_VOLUME, "configMap": {"name": configmap_name(es.cache_name)}})
+    return volumes
+
+
+def _pin_to_group(spec: dict[str, Any], es: EngineSetSpec, name: str, p: Placement) -> None:
+    """Tie a pod spec to its group's node and GPUs (the claim, or the runtime class)."""
+    spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), HOSTNAME_LABEL: p.node}
+    tolerations = list(spec.get("tolerations") or [])
+    if GPU_TOLERATION not in tolerations:
+        tolerations.append(dict(GPU_TOLERATION))
+    spec["tolerations"] = tolerations
+    spec.pop("nodeName", None)  # the scheduler places it (the claim must be allocated first)
+    if es.mode == "dra":
+        claims = [x for x in spec.get("resourceClaims") or [] if x.get("name") != CLAIM_REF]
+        spec["resourceClaims"] = claims + [{"name": CLAIM_REF, "resourceClaimName": claim_name(name, p.group)}]
+    else:
+        spec["runtimeClassName"] = es.runtime_class
+
+
 def render_pod(
     es: EngineSetSpec,
-    cs: CacheSpec,
+    cs: WeightCacheSpec,
     config: OperatorConfig,
     namespace: str,
     name: str,
@@ -204,79 +290,21 @@ def render_pod(
     beside a serving primary.
     """
     template = copy.deepcopy(dict(es.template))
-    tmeta = template.get("metadata") or {}
     spec: dict[str, Any] = dict(template["spec"])
     sockets = socket_dir(namespace, es.cache_name)
+    labels, annotations = _pod_metadata(es, cs, config, template, name, p, serving)
 
-    labels = {k: v for k, v in (tmeta.get("labels") or {}).items()}
-    labels.update(_object_labels(name, p.group))
-    labels[LABEL_SERVING] = "true" if serving else "false"
-    labels[LABEL_TEMPLATE_HASH] = template_hash(es, cs, config)
-    # Whose agents serve it: the admission policy lets only that cache's agents mark it serving.
-    labels[LABEL_CACHE] = es.cache_name
-    annotations = {**(tmeta.get("annotations") or {}), **_placement_annotations(p),
-                   ANNOTATION_MODEL: model_label(cs)}
-
-    ours = _env(es, cs, namespace, name, p, model_dir(cs), role)
-    # The socket directory read-only: connect() works through a read-only mount, while
-    # unlinking or renaming the socket, its lock or its state file does not.
-    mounts = [{"name": SOCKET_VOLUME, "mountPath": sockets, "readOnly": True},
-              {"name": MODEL_VOLUME, "mountPath": MODEL_MOUNT, "readOnly": True},
-              {"name": IDENTITY_VOLUME, "mountPath": IDENTITY_MOUNT, "readOnly": True}]
-    if cs.sharding_rules:
-        mounts.append({"name": SHARDING_VOLUME, "mountPath": SHARDING_MOUNT, "readOnly": True})
-    ours_volumes = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME, SHARDING_VOLUME)
-    containers = []
-    for c in spec["containers"]:
-        c = dict(c)
-        c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + ours
-        c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
-                             if m.get("name") not in ours_volumes
-                             and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT, SHARDING_MOUNT)] + mounts
-        resources = _strip_gpu_resource(c.get("resources") or {})
-        if es.mode == "dra":
-            claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
-            resources["claims"] = claims + [{"name": CLAIM_REF}]
-        if resources:
-            c["resources"] = resources
-        else:
-            c.pop("resources", None)
-        containers.append(c)
-    spec["containers"] = containers
+    env = _env(es, cs, namespace, name, p, model_dir(cs), role)
+    mounts = _our_mounts(cs, sockets)
+    spec["containers"] = [_engine_container(c, es, env, mounts, sockets) for c in spec["containers"]]
     # Init containers, native sidecars (init containers that keep running) and ephemeral containers
     # get no mounts of ours, and any mount of our volumes (or at our paths) they name is read-only:
     # no container of an engine pod may unlink, rename or plant a file beside the agent's sockets.
     for kind in ("initContainers", "ephemeralContainers"):
         if spec.get(kind):
-            spec[kind] = [_read_only_mounts(c, ours_volumes, sockets) for c in spec[kind]]
-
-    if cs.model_pvc is not None:
-        models: dict[str, Any] = {"name": MODEL_VOLUME,
-                                  "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True}}
-    else:
-        models = {"name": MODEL_VOLUME, "hostPath": {"path": config.model_root, "type": "Directory"}}
-    spec["volumes"] = [v for v in spec.get("volumes") or [] if v.get("name") not in ours_volumes] + [
-        # The agent creates the directory; an engine scheduled before it waits in ContainerCreating.
-        {"name": SOCKET_VOLUME, "hostPath": {"path": sockets, "type": "Directory"}},
-        models,
-        # Which pod this is, as the API server will confirm to the agent: a token bound to the
-        # pod, for weightcache's audience only (useless against the API server itself).
-        {"name": IDENTITY_VOLUME, "projected": {"sources": [{"serviceAccountToken": {
-            "audience": IDENTITY_AUDIENCE, "expirationSeconds": IDENTITY_TOKEN_SECONDS, "path": "token"}}]}},
-    ]
-    if cs.sharding_rules:  # the rules the cache's agents read, from the ConfigMap the operator keeps for them
-        spec["volumes"].append({"name": SHARDING_VOLUME, "configMap": {"name": configmap_name(es.cache_name)}})
-    spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), HOSTNAME_LABEL: p.node}
-    tolerations = list(spec.get("tolerations") or [])
-    if GPU_TOLERATION not in tolerations:
-        tolerations.append(dict(GPU_TOLERATION))
-    spec["tolerations"] = tolerations
-    spec.pop("nodeName", None)  # the scheduler places it (the claim must be allocated first)
-    if es.mode == "dra":
-        claims = [x for x in spec.get("resourceClaims") or [] if x.get("name") != CLAIM_REF]
-        spec["resourceClaims"] = claims + [{"name": CLAIM_REF, "resourceClaimName": claim_name(name, p.group)}]
-    else:
-        spec["runtimeClassName"] = es.runtime_class
+            spec[kind] = [_read_only_mounts(c, OUR_VOLUMES, sockets) for c in spec[kind]]
+    spec["volumes"] = _pod_volumes(spec, es, cs, config, sockets)
+    _pin_to_group(spec, es, name, p)
 
     return {
         "apiVersion": "v1",

@@ -1,4 +1,4 @@
-"""Pure builders: a validated ``CacheSpec`` -> the Kubernetes objects that serve it.
+"""Pure builders: a validated ``WeightCacheSpec`` -> the Kubernetes objects that serve it.
 
 No I/O and no kopf here: the same inputs give the same dicts, byte for byte, so the
 reconcile can hash what they render and skip writes when nothing changed, and tests
@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from ...api.v1alpha1.weightcache_types import CacheSpec
+from ...api.v1alpha1.weightcache_types import WeightCacheSpec
 from ...config import AGENT_HTTP_PORT, SOCKET_ROOT, OperatorConfig
 
 LABEL_CACHE = "weightcache.io/cache"
@@ -134,14 +134,14 @@ def agent_labels(name: str) -> dict[str, str]:
     }
 
 
-def model_dir(cs: CacheSpec) -> str:
+def model_dir(cs: WeightCacheSpec) -> str:
     """The model directory as the agent sees it inside the container."""
     if cs.model_path is not None:
         return f"{MODEL_MOUNT}/{cs.model_path}"
     return MODEL_MOUNT
 
 
-def agent_args(cs: CacheSpec, namespace: str, name: str, uid: str | None = None) -> list[str]:
+def agent_args(cs: WeightCacheSpec, namespace: str, name: str, uid: str | None = None) -> list[str]:
     """Arguments after ``weightcache``: the agent's command-line contract.
 
     ``uid``: the WeightCache's, recorded by the agent in the socket directory with the names
@@ -173,7 +173,7 @@ def agent_args(cs: CacheSpec, namespace: str, name: str, uid: str | None = None)
     return args
 
 
-def sharding_yaml(cs: CacheSpec) -> str:
+def sharding_yaml(cs: WeightCacheSpec) -> str:
     """The rules file the agent reads with ``--sharding <file>``: ``{preset?, rules}``.
 
     Without a preset the agent puts the rules in front of the preset it picks from
@@ -186,7 +186,7 @@ def sharding_yaml(cs: CacheSpec) -> str:
     return yaml.safe_dump(doc, sort_keys=False)
 
 
-def render_sharding_configmap(cs: CacheSpec, namespace: str, name: str) -> dict[str, Any] | None:
+def render_sharding_configmap(cs: WeightCacheSpec, namespace: str, name: str) -> dict[str, Any] | None:
     """The ConfigMap with explicit sharding rules, or None when the spec has none."""
     if not cs.sharding_rules:
         return None
@@ -208,7 +208,7 @@ def content_hash(obj: Any) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _tolerations(cs: CacheSpec) -> list[dict[str, Any]]:
+def _tolerations(cs: WeightCacheSpec) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [dict(GPU_TOLERATION)]
     for t in cs.tolerations:
         t = {k: v for k, v in dict(t).items() if v is not None}
@@ -249,61 +249,51 @@ def control_secret_name(name: str) -> str:
     return f"{name}-agent-control"
 
 
-def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorConfig,
-                     uid: str | None = None) -> dict[str, Any]:
-    """The agent DaemonSet for one WeightCache (``uid``: the WeightCache's), with its spec hash annotation set."""
-    labels = agent_labels(name)
-    sockets = socket_dir(namespace, name)
+def _model_volume(cs: WeightCacheSpec, config: OperatorConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model volume and its mount: the cache's claim, or the node's model root."""
+    if cs.model_pvc is not None:
+        return ({"name": "models", "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True}},
+                {"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
+    # type Directory, not DirectoryOrCreate: a node without the model root must
+    # fail visibly (mount error) rather than get an empty directory created.
+    return ({"name": "models", "hostPath": {"path": config.model_root, "type": "Directory"}},
+            {
+                "name": "models",
+                "mountPath": MODEL_MOUNT,
+                "readOnly": True,
+                # Models mounted on the host later (e.g. an NFS share) show up without a restart.
+                "mountPropagation": "HostToContainer",
+            })
 
+
+def _agent_storage(cs: WeightCacheSpec, namespace: str, name: str, config: OperatorConfig,
+                   ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, str]]:
+    """(volumes, mounts, pod template annotations) for the sockets, the model and the sharding rules."""
+    sockets = socket_dir(namespace, name)
+    models, models_mount = _model_volume(cs, config)
     volumes: list[dict[str, Any]] = [
         {"name": "sockets", "hostPath": {"path": sockets, "type": "DirectoryOrCreate"}},
+        models,
     ]
-    mounts: list[dict[str, Any]] = [{"name": "sockets", "mountPath": sockets}]
-    if cs.model_pvc is not None:
-        volumes.append({
-            "name": "models",
-            "persistentVolumeClaim": {"claimName": cs.model_pvc, "readOnly": True},
-        })
-        mounts.append({"name": "models", "mountPath": MODEL_MOUNT, "readOnly": True})
-    else:
-        # type Directory, not DirectoryOrCreate: a node without the model root must
-        # fail visibly (mount error) rather than get an empty directory created.
-        volumes.append({
-            "name": "models",
-            "hostPath": {"path": config.model_root, "type": "Directory"},
-        })
-        mounts.append({
-            "name": "models",
-            "mountPath": MODEL_MOUNT,
-            "readOnly": True,
-            # Models mounted on the host later (e.g. an NFS share) show up without a restart.
-            "mountPropagation": "HostToContainer",
-        })
-
-    template_annotations: dict[str, str] = {}
+    mounts: list[dict[str, Any]] = [{"name": "sockets", "mountPath": sockets}, models_mount]
+    annotations: dict[str, str] = {}
     if cs.sharding_rules:
         volumes.append({
             "name": "sharding",
             "configMap": {"name": configmap_name(name), "items": [{"key": SHARDING_FILE, "path": SHARDING_FILE}]},
         })
         mounts.append({"name": "sharding", "mountPath": SHARDING_DIR, "readOnly": True})
-        template_annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
+        # The rules live in a ConfigMap: a change to them must still roll the agents.
+        annotations[ANNOTATION_SHARDING_HASH] = content_hash(sharding_yaml(cs))
+    return volumes, mounts, annotations
 
-    args = agent_args(cs, namespace, name, uid)
-    if config.agent_label_pods == "off":
-        args += ["--label-pods", "off"]  # no admission policy bounds an agent's write here
-    if config.control_key is not None:
-        # The token for POST /switchover (planned switchovers of rolling upgrades); optional,
-        # so agents start before the operator has created it.
-        volumes.append({"name": "control", "secret": {"secretName": control_secret_name(name), "optional": True}})
-        mounts.append({"name": "control", "mountPath": CONTROL_MOUNT, "readOnly": True})
-        args += ["--control-token-file", f"{CONTROL_MOUNT}/{CONTROL_FILE}"]
 
+def _agent_container(cs: WeightCacheSpec, config: OperatorConfig, args: list[str],
+                     mounts: list[dict[str, Any]]) -> dict[str, Any]:
     if config.agent_privileged:
         security: dict[str, Any] = {"privileged": True}
     else:
         security = {"privileged": False, "allowPrivilegeEscalation": False}
-
     container: dict[str, Any] = {
         "name": AGENT_CONTAINER,
         "image": config.agent_image_for(cs.agent_image),
@@ -328,7 +318,11 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         container["env"].append({"name": "WEIGHTCACHE_SOCKET_GROUP", "value": config.agent_socket_group})
     if cs.agent_resources:
         container["resources"] = dict(cs.agent_resources)
+    return container
 
+
+def _agent_pod_spec(cs: WeightCacheSpec, config: OperatorConfig, container: dict[str, Any],
+                    volumes: list[dict[str, Any]]) -> dict[str, Any]:
     pod_spec: dict[str, Any] = {
         # The agent's one API write (the serving label at a failover) uses this
         # account's bound token; RBAC and the admission policy limit it to that.
@@ -353,11 +347,28 @@ def render_daemonset(cs: CacheSpec, namespace: str, name: str, config: OperatorC
         pod_spec["runtimeClassName"] = config.runtime_class
     if config.agent_image_pull_secrets:
         pod_spec["imagePullSecrets"] = [{"name": s} for s in config.agent_image_pull_secrets]
+    return pod_spec
+
+
+def render_daemonset(cs: WeightCacheSpec, namespace: str, name: str, config: OperatorConfig,
+                     uid: str | None = None) -> dict[str, Any]:
+    """The agent DaemonSet for one WeightCache (``uid``: the WeightCache's), with its spec hash annotation set."""
+    labels = agent_labels(name)
+    volumes, mounts, template_annotations = _agent_storage(cs, namespace, name, config)
+    args = agent_args(cs, namespace, name, uid)
+    if config.agent_label_pods == "off":
+        args += ["--label-pods", "off"]  # no admission policy bounds an agent's write here
+    if config.control_key is not None:
+        # The token for POST /switchover (planned switchovers of rolling upgrades); optional,
+        # so agents start before the operator has created it.
+        volumes.append({"name": "control", "secret": {"secretName": control_secret_name(name), "optional": True}})
+        mounts.append({"name": "control", "mountPath": CONTROL_MOUNT, "readOnly": True})
+        args += ["--control-token-file", f"{CONTROL_MOUNT}/{CONTROL_FILE}"]
+    pod_spec = _agent_pod_spec(cs, config, _agent_container(cs, config, args, mounts), volumes)
 
     template_metadata: dict[str, Any] = {"labels": labels}
     if template_annotations:
         template_metadata["annotations"] = template_annotations
-
     ds: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
