@@ -456,6 +456,10 @@ def test_the_operator_refuses_another_teams_model_and_the_control_plane(k8s_lab:
         assert "Traceback" not in log.read()
     finally:
         operator.terminate()
-        operator.wait(30)
+        try:
+            operator.wait(60)  # kopf's graceful stop, which beside the run's other workers can take a while
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            operator.wait()
         log.close()
         lab.delete_namespace(ns)
