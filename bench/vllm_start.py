@@ -32,7 +32,6 @@ from report import bars_line, report
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "node_agent"))
-sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from weightcache_agent.testing.agent_process import AgentProcess  # noqa: E402
 from weightcache_agent.testing.synthetic import LlamaShape, write_llama_checkpoint, write_word_tokenizer  # noqa: E402

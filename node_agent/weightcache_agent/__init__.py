@@ -18,7 +18,7 @@ subpackage), which `tests/test_layers.py` checks:
   load      checkpoint -> shard -> quantize -> arena     the cold path, and the fingerprint
   client    session (attach), rebind                     what an engine imports
   serve     agent, supervisor, HTTP, process groups      the node agent's processes
-  testing   synthetic checkpoints                        for tests and the demo
+  testing   synthetic checkpoints, an agent process      for tests, benchmarks and the demo
   integrations  transformers (`from_cache`)             attach paths for model libraries (optional extras)
   engine    reference engine, model, demo                a user of all of the above
   cli       `weightcache` subcommands                    the entry points
