@@ -37,36 +37,51 @@ SWITCH_INTERVAL = 0.0005
 AGENT_NICE = -10  # CFS weight ~9x a default process: status and attaches stay prompt while engines bind at once
 
 
+# The environment variables the agent reads, for its --help.
+ENVIRONMENT = {
+    "WEIGHTCACHE_SOCKET_GROUP": "default of --socket-group",
+    "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
+    "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
+    "NODE_NAME": "default of --node-name (node mode); a pod token of another node is refused",
+    "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)",
+    "WEIGHTCACHE_READERS": "reader threads of a cold load (default 2: more only interleave the disk's stream)",
+    "WEIGHTCACHE_MEMORY_LIMIT": "most host memory a cpu arena may take, e.g. 64Gi (default: what the host "
+                                "and its cgroup have available)",
+    "WEIGHTCACHE_PROGRESS_INTERVAL": "seconds between progress log lines without a terminal (default 5; 0: "
+                                     "none)",
+    "WEIGHTCACHE_KUBE_API": "API server URL, https://HOST[:PORT], for the serving-label write and the "
+                            "TokenReviews of engines' pod tokens (default: in a pod, "
+                            "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT); with it set, "
+                            "--label-pods auto and --pod-identity auto are on outside a pod too",
+    "WEIGHTCACHE_KUBE_TOKEN": "file with the agent's bearer token for that API server, read again when it "
+                              "changes (default: the pod's service-account token, "
+                              "/var/run/secrets/kubernetes.io/serviceaccount/token)",
+    "WEIGHTCACHE_KUBE_CA": "CA bundle (PEM file) that the API server's certificate is checked against "
+                           "(default: the pod's /var/run/secrets/kubernetes.io/serviceaccount/ca.crt)"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = usage_parser(
         PROG, "Load a model once and serve it zero-copy to engines.",
         examples=["weightcache agent --model /models/llama-3-8b --socket /run/weightcache/llama.sock",
                   "weightcache agent --model /models/qwen --socket-dir /run/weightcache/qwen --tp-size 2 "
                   "--quantization fp8-block"],
-        env={"WEIGHTCACHE_SOCKET_GROUP": "default of --socket-group",
-             "WEIGHTCACHE_HTTP_HOST, POD_IP": "default of --http-host (node mode)",
-             "WEIGHTCACHE_CONTROL_TOKEN_FILE": "default of --control-token-file (node mode)",
-             "NODE_NAME": "default of --node-name (node mode); a pod token of another node is refused",
-             "WEIGHTCACHE_DIRECT_IO": "auto | on | off: O_DIRECT reads of the checkpoint (default auto)",
-             "WEIGHTCACHE_READERS": "reader threads of a cold load (default 2: more only interleave the disk's stream)",
-             "WEIGHTCACHE_MEMORY_LIMIT": "most host memory a cpu arena may take, e.g. 64Gi (default: what the host "
-                                         "and its cgroup have available)",
-             "WEIGHTCACHE_PROGRESS_INTERVAL": "seconds between progress log lines without a terminal (default 5; 0: "
-                                              "none)",
-             "WEIGHTCACHE_KUBE_API": "API server URL, https://HOST[:PORT], for the serving-label write and the "
-                                     "TokenReviews of engines' pod tokens (default: in a pod, "
-                                     "https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT); with it set, "
-                                     "--label-pods auto and --pod-identity auto are on outside a pod too",
-             "WEIGHTCACHE_KUBE_TOKEN": "file with the agent's bearer token for that API server, read again when it "
-                                       "changes (default: the pod's service-account token, "
-                                       "/var/run/secrets/kubernetes.io/serviceaccount/token)",
-             "WEIGHTCACHE_KUBE_CA": "CA bundle (PEM file) that the API server's certificate is checked against "
-                                    "(default: the pod's /var/run/secrets/kubernetes.io/serviceaccount/ca.crt)"},
+        env=ENVIRONMENT,
         codes=(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_BUSY, EXIT_INTERRUPTED))
     p.add_argument("--model", required=True, help="checkpoint directory (*.safetensors + config.json)")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--socket", help="Unix socket path to serve one rank on")
     where.add_argument("--socket-dir", help="node mode: run one worker per rank, each serving <dir>/<GPU-UUID>.sock")
+    _add_node_flags(p)
+    _add_weight_flags(p)
+    _add_limit_flags(p)
+    _add_cluster_flags(p)
+    _add_output_flags(p)
+    return p
+
+
+def _add_node_flags(p: argparse.ArgumentParser) -> None:
+    """Node mode: the rank workers, the devices they take, and the HTTP endpoints."""
     node = p.add_argument_group("node mode (with --socket-dir)")
     node.add_argument("--devices", default="all", help='"all", or a comma list of GPU ordinals and/or UUIDs')
     node.add_argument("--replicas", type=int, default=0,
@@ -84,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--cache", help="NAMESPACE/NAME[/UID] of the WeightCache served (the operator passes it): "
                                       "recorded in the socket directory, and an agent of another cache that finds "
                                       "the directory recorded as not its own refuses to serve")
+
+
+def _add_weight_flags(p: argparse.ArgumentParser) -> None:
+    """What is served: device, dtype, quantization, tensor parallelism, layout, revision."""
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default=None, help="GPU ordinal (0, or cuda:0) or UUID (cuda backend; default: 0)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -103,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "as vLLM's fused qkv_proj / gate_up_proj (zero-copy for --load-format weightcache)")
     p.add_argument("--revision", help="revision label, part of the fingerprint: an engine that names another "
                                       "revision is refused")
+
+
+def _add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Who may connect and how much each may hold: the bounds a hostile client meets."""
     p.add_argument("--handshake-timeout", type=float, default=10.0,
                    help="seconds a new connection may take to send its first complete request")
     p.add_argument("--socket-group", default=os.environ.get("WEIGHTCACHE_SOCKET_GROUP") or None,
@@ -126,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the agent from answering them; needs root or CAP_SYS_NICE, else the inherited priority stays")
     p.add_argument("--adopt-wait", type=float, default=3.0,
                    help="after a restart with engines still attached, seconds to wait for one to hand the arena back")
+
+
+def _add_cluster_flags(p: argparse.ArgumentParser) -> None:
+    """In a cluster: the serving label on a promotion, engines' pods proven by their tokens."""
     p.add_argument("--label-pods", choices=("auto", "on", "off"), default="auto",
                    help="on a promotion, label the engine's pod weightcache.io/serving=true through the API server "
                         "(auto: when running in a cluster; rank 0 only)")
@@ -134,11 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "token, checked by a TokenReview (auto: when running in a cluster)")
     p.add_argument("--identity-audience", default="weightcache.io",
                    help="the audience engine pods' projected tokens are minted for (default weightcache.io)")
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What the agent prints: log lines and the progress bar."""
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="log lines for people or collectors")
     p.add_argument("--progress", choices=("auto", "always", "never"), default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal); without a bar, a log line every "
                         "$WEIGHTCACHE_PROGRESS_INTERVAL seconds (default 5; 0: none)")
-    return p
 
 
 def add_quantization_flag(p: argparse.ArgumentParser) -> None:
@@ -202,7 +232,7 @@ def main(argv: list[str]) -> int:
         return refuse(PROG, problem, EXIT_FAILED)
     if args.socket_dir is not None:
         raise_priority(args.nice)
-        from .supervisor import run_node
+        from .node_main import run_node
 
         return run_node(args, parser)
     try:
