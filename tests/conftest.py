@@ -58,9 +58,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # Where a run's CPU goes: on a machine of two cores the suite's wall time is bounded below by its CPU
 # seconds over two, so CI's time is cut by cutting these. Each phase of a test reports the CPU its
-# worker and the processes the worker reaped spent since the previous phase (processes left running,
-# a control plane's, are counted where they are reaped); the summary adds them up per unit.
+# worker and the processes the worker reaped spent since the previous phase; the summary adds them
+# up per unit. Processes that run detached (a control plane's, the fake kubelet's pods) are not in
+# it: docs/development.md gives a whole run's, from the kernel's process accounting.
 _cpu_mark = [0.0]
+_cpu_by_unit: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
@@ -81,9 +83,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if spent is not None:
         unit = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else report.nodeid.split("::")[0]
         _cpu_by_unit[unit] = _cpu_by_unit.get(unit, 0.0) + spent
-
-
-_cpu_by_unit: dict[str, float] = {}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
