@@ -40,7 +40,7 @@ sys.path.insert(0, HERE)
 from gpu_bench import make_checkpoint  # noqa: E402
 from page_cache import drop_cache  # noqa: E402
 from report import bars_line, report  # noqa: E402
-from tcp_rendezvous import rendezvous  # noqa: E402
+from weightcache_agent.engine.launch import free_rendezvous as rendezvous  # noqa: E402
 from weightcache_agent import CacheSpec, agent_status, protocol  # noqa: E402
 from weightcache_agent.client.session import map_arena  # noqa: E402
 from weightcache_agent.load.checkpoint import open_checkpoint  # noqa: E402

@@ -35,7 +35,7 @@ from weightcache_agent.testing.synthetic_moe import fp8_config, prequantize
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.append(os.path.join(HERE, "..", "bench"))  # appended: nothing there shadows a test helper
-from tcp_rendezvous import rendezvous  # noqa: E402 (the benchmark's, stdlib only)
+from weightcache_agent.engine.launch import free_rendezvous as rendezvous  # noqa: E402 (torch-free)
 
 # Every TP=2 split falls on the 128 grid of block FP8: q/k/v rows 256 -> 128 per rank, o_proj columns
 # 256 -> 128, gate/up rows and down_proj columns 512 -> 256.

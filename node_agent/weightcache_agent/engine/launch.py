@@ -17,7 +17,7 @@ the pod. A rank never outlives the launcher (parent-death signal).
 from __future__ import annotations
 
 import logging
-import os
+import random
 import signal
 import socket
 import subprocess
@@ -33,13 +33,22 @@ STOP_GRACE = 15.0  # seconds past the drain a rank may take after SIGTERM before
 
 
 def free_rendezvous(host: str = "127.0.0.1") -> str:
-    """tcp://HOST:PORT with PORT and PORT+1 both free (the collectives and the rank link)."""
+    """tcp://HOST:PORT with PORT and PORT+1 both free (the collectives and the rank link).
+
+    Chosen below the kernel's ephemeral range: a port from that range (what binding port 0 hands
+    out) may be taken by any process's outgoing connection between this check and the ranks' own
+    binds, seconds later on a busy node."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
     for _ in range(64):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
-        if port >= 65535:
-            continue
+        if low > RENDEZVOUS_FLOOR + 2:
+            port = rng.randrange(RENDEZVOUS_FLOOR, low - 1)
+        else:  # no room below the ephemeral range: the kernel's choice, checked
+            with socket.socket() as probe:
+                probe.bind((host, 0))
+                port = probe.getsockname()[1]
+            if port >= 65535:
+                continue
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind((host, port))
@@ -48,6 +57,18 @@ def free_rendezvous(host: str = "127.0.0.1") -> str:
             continue
         return f"tcp://{host}:{port}"
     raise OSError("no two adjacent free ports on the loopback interface")
+
+
+RENDEZVOUS_FLOOR = 10000  # above the ports well-known services listen on
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default 32768 where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def launch(argv: list[str], tp_size: int, dist_init: str | None, drain_seconds: float) -> int:
