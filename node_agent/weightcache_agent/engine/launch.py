@@ -30,6 +30,7 @@ from ..serve.stop import StopFlag
 log = logging.getLogger("weightcache.engine")
 
 STOP_GRACE = 15.0  # seconds past the drain a rank may take after SIGTERM before SIGKILL
+RENDEZVOUS_FLOOR = 10000  # TP rendezvous ports start above the ones well-known services listen on
 
 
 def free_rendezvous(host: str = "127.0.0.1") -> str:
@@ -57,9 +58,6 @@ def free_rendezvous(host: str = "127.0.0.1") -> str:
             continue
         return f"tcp://{host}:{port}"
     raise OSError("no two adjacent free ports on the loopback interface")
-
-
-RENDEZVOUS_FLOOR = 10000  # above the ports well-known services listen on
 
 
 def _ephemeral_low() -> int:
