@@ -125,7 +125,7 @@ def test_spec_paths_are_the_contract() -> None:
     props = SCHEMA["properties"]["spec"]["properties"]
     assert set(props) == {"model", "parallelism", "quantization", "dtype", "layout", "sharding", "nodeSelector",
                           "tolerations", "gpusPerNode", "agent"}
-    assert props["layout"]["enum"] == ["file", "vllm"]
+    assert props["layout"]["enum"] == ["file", "vllm"] and "default" not in props["layout"]  # deprecated, ignored
     assert set(props["model"]["properties"]) == {"path", "pvc", "revision"}
     assert set(props["parallelism"]["properties"]) == {"tensor", "pipeline", "data", "expert"}
     assert set(props["agent"]["properties"]) == {"resources", "image"}
@@ -176,7 +176,6 @@ def test_defaults_fill_a_minimal_spec() -> None:
         "parallelism": {"tensor": 1, "pipeline": 1, "data": 1, "expert": 1},
         "quantization": "none",
         "dtype": "auto",
-        "layout": "file",
     }
 
 

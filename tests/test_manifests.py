@@ -100,9 +100,10 @@ def test_agent_command_line_contract() -> None:
     assert args[args.index("--sharding") + 1] == "/etc/weightcache/sharding.yaml"
     assert args[-1] == "--expert-parallel"
     assert not any(a.startswith("--revision") for a in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x"))
-    assert "--layout" not in agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x")
-    vllm = agent_args(parse_spec({"model": {"path": "m"}, "layout": "vllm"}), "ml", "x")
-    assert vllm[vllm.index("--layout") + 1] == "vllm"
+    # the deprecated layout field changes nothing: every arena serves fused and checkpoint names
+    assert agent_args(parse_spec({"model": {"path": "m"}, "layout": "vllm"}), "ml", "x") == \
+        agent_args(parse_spec({"model": {"path": "m"}}), "ml", "x")
+    assert "--layout" not in agent_args(parse_spec({"model": {"path": "m"}, "layout": "vllm"}), "ml", "x")
 
 
 def test_daemonset_runs_privileged_agents_on_every_gpu_node() -> None:

@@ -25,7 +25,7 @@ class FingerprintMismatch(WeightCacheError):
     `differences` maps each differing field to (cache value, engine value); `model`, the
     model's name as the engine knows it, and `held`, what the agent says it holds (``model``:
     its checkpoint's path; ``fields``: its fingerprint fields), only make the message readable:
-    beside each differing field it names the agent's model path, revision, layout,
+    beside each differing field it names the agent's model path, revision,
     quantization, dtype and tensor parallelism, so that the agent to fix is plain.
     """
 
@@ -40,12 +40,12 @@ class FingerprintMismatch(WeightCacheError):
 
 
 # What a mismatch says the agent holds, in this order: (field, as the message names it).
-_HELD_FIELDS = (("revision", "revision"), ("layout", "layout"), ("quantization", "quantization"),
+_HELD_FIELDS = (("revision", "revision"), ("quantization", "quantization"),
                 ("dtype", "dtype"), ("tp_size", "tp"), ("tp_rank", "rank"))
 
 
 def _holds(held: dict[str, object]) -> str:
-    """' (the agent holds PATH: revision R, layout L, ...)', from an agent's refusal; '' when it said nothing."""
+    """' (the agent holds PATH: revision R, quantization Q, ...)', from an agent's refusal; '' when it said nothing."""
     fields = held.get("fields") if isinstance(held.get("fields"), dict) else {}
     said = [f"{name} {str(fields[key])[:64] if fields[key] is not None else '(none)'}"
             for key, name in _HELD_FIELDS if key in fields]

@@ -17,6 +17,7 @@ Torch-free: the agent packs, the engine unpacks.
 from __future__ import annotations
 
 import itertools
+import json
 from array import array
 from typing import Any, Iterable
 
@@ -68,6 +69,25 @@ class PackedRows:
     def header(self) -> dict[str, Any]:
         """What the manifest's JSON says of these rows; `data` follows as the frame's payload."""
         return {"forms": self.forms, "count": self.count, "packed": len(self.data)}
+
+
+class EncodedManifests:
+    """A layout's manifest under each naming, encoded once (a 100k-tensor manifest is megabytes
+    of JSON): `get(names)` gives the JSON columns and the packed rows (header, payload)."""
+
+    def __init__(self, layout: Any):
+        self._layout = layout
+        self._encoded: dict[str, tuple[bytes, tuple[bytes, bytes]]] = {}
+
+    def get(self, names: str) -> tuple[bytes, tuple[bytes, bytes]]:
+        found = self._encoded.get(names)
+        if found is None:  # two attaches may both encode it: the same bytes, kept once
+            columns = self._layout.to_manifest(names)
+            packed = PackedRows.from_columns(columns)
+            found = self._encoded[names] = (json.dumps(columns, separators=(",", ":")).encode(),
+                                            (json.dumps(packed.header(), separators=(",", ":")).encode(),
+                                             bytes(packed.data)))
+        return found
 
 
 def columns_of(rows: dict[str, list] | PackedRows) -> dict[str, list]:

@@ -18,6 +18,8 @@ Messages (client -> agent):
       token (audience weightcache.io); an agent in a cluster takes the pod from it, not from "pod".
       With "manifest": "packed", the manifest's "tensors" is {"forms", "count", "packed": n} and its
       rows follow in a binary frame of n bytes (`packed_rows`); without, they are JSON columns.
+      "names": "checkpoint" (default: q_proj, k_proj, ... each its own row) or "fused" (each
+      group back to back in the arena as one row: qkv_proj, gate_up_proj); one arena serves both.
   {"type": "arena", "role"?, "group"?}                 -> {"type": "arena", "backend", "arenas"} + fds: the
       arena ahead of a lease, for an engine to map while it starts (`prepare`); each arena's "id"
       (also in every manifest) tells its attach whether that mapping is of the same arena. Admitted

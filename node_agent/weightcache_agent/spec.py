@@ -12,10 +12,6 @@ from typing import Any
 from .quantization import check_quantization
 
 DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32")
-# How the arena arranges tensors for the engine that maps it: "file" serves every checkpoint
-# tensor by its own name; "vllm" lays q|k|v and gate|up back to back and serves them as vLLM's
-# fused `qkv_proj` / `gate_up_proj`, so each fused parameter is one zero-copy view.
-LAYOUT_CHOICES = ("file", "vllm")
 
 
 @dataclass(frozen=True)
@@ -41,8 +37,6 @@ class CacheSpec:
         ranks; None chooses from `config.json`'s architecture.
     expert_parallel: place whole experts per rank (mixture-of-experts models) instead of
         splitting every expert.
-    layout: "file" (every checkpoint tensor under its own name) or "vllm" (q|k|v and gate|up
-        back to back, served as vLLM's fused `qkv_proj` / `gate_up_proj`: one view each).
     revision: a label for the weights' version (e.g. a git revision or a date), shown in
         status and compared on attach: an engine that names one attaches only to an agent
         started with the same `--revision`.
@@ -60,7 +54,6 @@ class CacheSpec:
     # A label (e.g. a git revision), part of the fingerprint: an engine that names one attaches only to an agent
     # started with the same. The checkpoint's content is checked besides, whatever the label says.
     revision: str | None = None
-    layout: str = "file"
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -71,8 +64,6 @@ class CacheSpec:
             raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.revision is not None and (not isinstance(self.revision, str) or not 0 < len(self.revision) <= 128):
             raise ValueError(f"revision must be a string of 1 to 128 characters, got {self.revision!r}")
-        if self.layout not in LAYOUT_CHOICES:
-            raise ValueError(f"layout must be one of {', '.join(LAYOUT_CHOICES)}, got {self.layout!r}")
         check_quantization(self.quantization)
 
     def to_json(self) -> dict[str, Any]:
@@ -88,6 +79,4 @@ class CacheSpec:
             args.append("--expert-parallel")
         if self.revision:
             args.append(f"--revision={self.revision}")  # one token: never read as a flag
-        if self.layout != "file":
-            args += ["--layout", self.layout]
         return args

@@ -33,6 +33,7 @@ from .. import protocol
 from ..arena.cuda import CudaError
 from ..errors import AgentUnavailable, AttachError, FingerprintMismatch, ProtocolError, UntrustedAgent, WeightCacheError
 from ..load.fingerprint import differences, engine_request, model_name
+from ..load.layout import check_names
 from ..load.loader import load_cache
 from ..packed_rows import PackedRows, columns_of
 from ..path_owners import first_unsafe_directory
@@ -244,7 +245,7 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
            strict: bool = True, timeout: float = 600.0,
            on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
            materialize: Materialize | Callable[[nn.Module, Pending], None] | None = None,
-           cast_small: bool = False, engine: str | None = None) -> Attachment:
+           cast_small: bool = False, engine: str | None = None, names: str = "checkpoint") -> Attachment:
     """Rebind `module` (built on the meta device) to the weights `spec` names.
 
     Every parameter and buffer of `module` ends up a read-only view into the agent's
@@ -302,6 +303,10 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     cast_small: when True, 1-D tensors (biases, norms) that the model declares in another
         float dtype than the cache holds are cast (small copies; never a weight matrix).
         The attachment's `computed` and `cast` name what was filled and what was cast.
+    names: how `module` names its tensors. "checkpoint" (default): as the checkpoint does,
+        q_proj, k_proj, v_proj, gate_proj and up_proj apart (each a view of its rows in the
+        arena); "fused": as vLLM and SGLang do, each such group as one `qkv_proj` or
+        `gate_up_proj` view. One arena serves both, zero-copy.
 
     Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
     `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode`, a standby without a
@@ -311,9 +316,10 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if mode != "off":
         early.wait()  # the attach path warmed while the engine started: done before the timer matters
+    check_names(names)
     adjust = Adjust.of(materialize, cast_small)
     attachment = _attach(module, spec, socket, mode, fallback, role, group, on_promote, strict, timeout, on_demote,
-                         copy_on_write, adjust, engine or os.environ.get(ENV_ENGINE) or None)
+                         copy_on_write, adjust, engine or os.environ.get(ENV_ENGINE) or None, names)
     if adjust is not None:
         attachment.computed, attachment.cast = adjust.computed, adjust.cast
     return attachment
@@ -322,9 +328,9 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
 def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, fallback: bool, role: str | None,
             group: str | None, on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
             on_demote: Callable[[Attachment], None] | None, copy_on_write: bool, adjust: Adjust | None,
-            engine: str | None = None) -> Attachment:
+            engine: str | None = None, names: str = "checkpoint") -> Attachment:
     if mode == "off":
-        return _attach_from_disk(module, spec, strict, copy_on_write, adjust)
+        return _attach_from_disk(module, spec, strict, copy_on_write, adjust, names)
     socket = socket or socket_from_env(spec.tp_rank)
     role = role or os.environ.get(ENV_ROLE) or "primary"
     group = group or os.environ.get(ENV_GROUP) or None
@@ -337,7 +343,7 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
         else:
             conn = protocol.connect(socket)
         return _attach_over(conn, module, spec, role, group, on_promote, strict, timeout, on_demote, copy_on_write,
-                            adjust, engine)
+                            adjust, engine, names)
     except (AgentUnavailable, FingerprintMismatch, ProtocolError, TimeoutError, EOFError, ConnectionError) as e:
         if not fallback:
             raise
@@ -345,7 +351,7 @@ def _attach(module: nn.Module, spec: CacheSpec, socket: str | None, mode: str, f
         # A miss costs a full disk load: say so where engines' logs are read, not only on a terminal.
         log.warning("cache miss for %s: attach through %s failed (%s); loading from disk instead (fallback=True)",
                     model_name(spec.model), socket, reason)
-        att = _attach_from_disk(module, spec, strict, copy_on_write, adjust)
+        att = _attach_from_disk(module, spec, strict, copy_on_write, adjust, names)
         att.fallback_reason = reason
         return att
 
@@ -426,7 +432,7 @@ def _open_daemon_log(log_path: str) -> int:
 def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, role: str, group: str | None,
                  on_promote: Callable[[Attachment], None] | None, strict: bool, timeout: float,
                  on_demote: Callable[[Attachment], None] | None = None, copy_on_write: bool = False,
-                 adjust: Adjust | None = None, engine: str | None = None) -> Attachment:
+                 adjust: Adjust | None = None, engine: str | None = None, names: str = "checkpoint") -> Attachment:
     started = time.perf_counter()
     fds: list[int] = []
     pod = pod_from_env()
@@ -435,7 +441,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
         conn.settimeout(timeout)
         request = engine_request(spec)
         phases["request"] = time.perf_counter() - started
-        _send_attach(conn, role, group, pod, request, engine)
+        _send_attach(conn, role, group, pod, request, engine, names)
         # The module as the bind will find it, walked while the agent prepares its answer.
         surveyed = survey(module) if adjust is None else None
         reply, fds = _manifest_reply(conn)
@@ -445,7 +451,7 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
             conn.close()
             conn = protocol.connect(path)
             conn.settimeout(timeout)
-            _send_attach(conn, role, group, pod, engine_request(spec, with_revision=True), engine)
+            _send_attach(conn, role, group, pod, engine_request(spec, with_revision=True), engine, names)
             reply, fds = _manifest_reply(conn)
         if reply.get("type") == "error" and reply.get("code") == "fingerprint_mismatch":
             raise FingerprintMismatch(differences(reply.get("fields") or {}, reply.get("engine_fields") or {}),
@@ -476,9 +482,9 @@ def _attach_over(conn: socketlib.socket, module: nn.Module, spec: CacheSpec, rol
 
 
 def _send_attach(conn: socketlib.socket, role: str, group: str | None, pod: dict[str, str] | None,
-                 request: dict[str, Any], engine: str | None = None) -> None:
+                 request: dict[str, Any], engine: str | None = None, names: str = "checkpoint") -> None:
     message = {"type": "attach", "pid": os.getpid(), "role": role, "group": group, "pod": pod, "request": request,
-               "manifest": "packed", "engine": engine}
+               "manifest": "packed", "engine": engine, "names": names}
     identity = identity_token_from_env()  # in a pod: the proof of which pod this is (never sent off Kubernetes)
     if identity:
         message["identity_token"] = identity
@@ -534,12 +540,12 @@ def _bind_over(manifest: dict[str, Any], fds: list[int], module: nn.Module, stri
 
 
 def _attach_from_disk(module: nn.Module, spec: CacheSpec, strict: bool, copy_on_write: bool = False,
-                      adjust: Adjust | None = None) -> Attachment:
+                      adjust: Adjust | None = None, names: str = "checkpoint") -> Attachment:
     started = time.perf_counter()
     loaded = load_cache(spec, name="weightcache:in-process")
     try:
         base = map_cpu(loaded.arena.fd, loaded.layout.size, copy_on_write)
-        tensors = bind_adjusted(module, base, loaded.layout.to_manifest(), strict, adjust)
+        tensors = bind_adjusted(module, base, loaded.layout.to_manifest(names), strict, adjust)
     finally:
         loaded.arena.close()  # the mapping keeps the memory
     return Attachment(source="disk", fingerprint=loaded.fingerprint, fields=loaded.fields, nbytes=loaded.layout.nbytes,

@@ -4,11 +4,11 @@
   1. builds vLLM's model with every parameter on the meta device and every buffer real
      (rotary tables, attention scales are computed by the model as usual): parameters are
      moved to meta as they are registered, keeping their class and vLLM's attributes;
-  2. attaches this rank's arena (its own socket, its own lease) with `CacheSpec(layout="vllm")`:
-     the agent lays q|k|v and gate|up back to back, so vLLM's fused `qkv_proj` and
-     `gate_up_proj` are one view each. A fused parameter whose parts the cache serves apart
-     (a model whose `packed_modules_mapping` the layout does not know, an incomplete group)
-     is assembled by copying, and counted;
+  2. attaches this rank's arena (its own socket, its own lease) naming the fused tensors
+     (`attach(names="fused")`): every arena lays q|k|v and gate|up back to back, so vLLM's
+     fused `qkv_proj` and `gate_up_proj` are one view each. A fused parameter whose parts the
+     cache serves apart (a model whose `packed_modules_mapping` the layout does not know, an
+     incomplete group) is assembled by copying, and counted;
   3. runs vLLM's post-load processing with nothing that would rewrite an arena tensor: on CPU
      the linear layers stay on `F.linear` instead of oneDNN's repacked copy (the arena is
      read-only, and a repack is a private copy of every weight); on CUDA unquantized layers
@@ -17,9 +17,7 @@
      line and exports them as Prometheus gauges;
   5. hands the lease to `vllm_standby`: a standby gives its KV cache's memory back once warm,
      and takes it again when the agent promotes it.
-An agent started without `--layout vllm` (the checkpoint's own layout) still serves: every
-tensor but the fused parameters' parts is a view, those are copied, with one WARNING naming
-`--layout vllm`. A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
+A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
 vLLM's default loader with one WARNING naming the reason, or, with `"fallback": false`,
 fails with that reason in one ERROR line.
 
@@ -56,8 +54,8 @@ from ..client.materialize import Materialize, Pending
 from ..client.session import Attachment, attach
 from ..client.warmup import prepare
 from ..client.env import socket_from_env
-from ..errors import AttachError, FingerprintMismatch, WeightCacheError
-from ..load.layout import LAYOUTS
+from ..errors import AttachError, WeightCacheError
+from ..load.layout import FUSIONS
 from ..load.progress import size_text as _size
 from ..protocol import agent_status
 from ..spec import CacheSpec
@@ -139,14 +137,8 @@ class WeightcacheModelLoader(BaseModelLoader):
             preparing.join()
             prepared = time.perf_counter()
             copier = _FusedCopies(model)
-            try:
-                self.attachment = self._attach(model, spec, socket, copier)
-            except FingerprintMismatch as e:
-                if set(e.differences) != {"layout"}:
-                    raise
-                # an agent holding the checkpoint's own layout: every tensor but the fused ones is a view still
-                spec = dataclasses.replace(spec, layout=str(e.differences["layout"][0]))
-                self.attachment = self._attach(model, spec, socket, copier)
+            self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
+                                     materialize=copier.materialize, on_promote=vllm_standby.promoted, names="fused")
         except MISSES as e:
             reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
             for name in set(layers) - known:
@@ -167,16 +159,8 @@ class WeightcacheModelLoader(BaseModelLoader):
                  os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket,
                  done - started, _size(views), _size(copies), ", ".join(copier.copied) or "no copies",
                  built - started, prepared - built, attached - prepared, done - attached)
-        if spec.layout != "vllm":
-            log.warning("weightcache: the agent at %s holds the checkpoint's layout (%s), not vLLM's: %s of fused "
-                        "parameters copied (%s); start it with --layout vllm so that they are shared views too",
-                        socket, spec.layout, _size(copies), ", ".join(copier.copied))
         _metrics().record(source="agent", reason="", views=views, copies=copies)
         return model.eval()
-
-    def _attach(self, model: nn.Module, spec: CacheSpec, socket: str, copier: _FusedCopies) -> Attachment:
-        return attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
-                      materialize=copier.materialize, on_promote=vllm_standby.promoted)
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -191,7 +175,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                               "linear methods repack weights after loading (serve an unquantized checkpoint)")
         dtype = str(model_config.dtype).removeprefix("torch.")
         return CacheSpec(model=model_config.model, tp_size=get_tensor_model_parallel_world_size(), tp_rank=rank,
-                         dtype=dtype, revision=self.revision, layout="vllm")
+                         dtype=dtype, revision=self.revision)
 
     def _socket(self, rank: int) -> str:
         """This rank's agent socket: the option's, else the environment's (the operator injects it)."""
@@ -246,13 +230,13 @@ def parameters_on_meta() -> Iterator[None]:
 class _FusedCopies:
     """Fused parameters whose parts the cache serves apart are assembled by copying, and named.
 
-    The cache's layout fuses what `LAYOUTS["vllm"]` knows; a model may fuse more (its
+    The cache's layout fuses what `FUSIONS` knows; a model may fuse more (its
     `packed_modules_mapping`), or a group may be incomplete in the cache: those parts are
     claimed from the bind and concatenated into the model's fused parameter."""
 
     def __init__(self, model: nn.Module):
         self.copied: list[str] = []
-        fusions = {f.fused: f.parts for f in LAYOUTS["vllm"]}
+        fusions = {f.fused: f.parts for f in FUSIONS}
         fusions.update({k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()})
         self.part_of = {part: fused for fused, parts in fusions.items() for part in parts}
         self.fusions = fusions

@@ -25,7 +25,7 @@ if TYPE_CHECKING:  # torch-free at import: the agent serving a re-adopted arena 
     from .checkpoint import Checkpoint
 
 # Bump when the loader would place or transform bytes differently for the same inputs.
-LAYOUT_VERSION = 2  # 2: sharding plans, fp8-block with power-of-two scales
+LAYOUT_VERSION = 3  # 2: sharding plans, fp8-block with power-of-two scales; 3: every layout fuses q|k|v, gate|up
 
 QUANTIZATION_CONFIGS: dict[str, dict[str, Any]] = {
     "none": {},
@@ -90,7 +90,6 @@ def fingerprint_fields(spec: CacheSpec, checkpoint: Checkpoint, device: str | No
         # the resolved plan (preset name, or hash of the YAML rules), not the flag: same flag, other file
         "sharding": sharding_identity or plan_identity(checkpoint, spec.sharding, spec.tp_size),
         "layout_version": LAYOUT_VERSION,
-        "layout": spec.layout,
     }
     fields.update(environment_fields(device))
     return fields

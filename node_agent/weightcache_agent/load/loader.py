@@ -22,7 +22,7 @@ from .dtypes import FLOAT32, FP8_E4M3, dtype_from_name
 from ..arena.cpu import CpuArena, new_cpu_arena
 from ..errors import CheckpointError, UnsupportedQuantization
 from .fingerprint import fingerprint, fingerprint_fields, resolved_dtype
-from .layout import LAYOUTS, ArenaLayout, lay_out
+from .layout import ArenaLayout, lay_out
 from .pipeline import fill_arena
 from .plan import PlannedTensor
 from .progress import LoadProgress, log_interval, size_text
@@ -171,7 +171,7 @@ def prepare_cache(spec: CacheSpec, device: str = "cpu") -> PreparedCache:
     checkpoint = open_checkpoint(spec.model)
     plan = plan_tensors(checkpoint, spec)
     check_scales_finite(plan)
-    layout = lay_out(((p.name, p.dtype, p.shape, p.kind) for p in plan), fuse=LAYOUTS[spec.layout])
+    layout = lay_out((p.name, p.dtype, p.shape, p.kind) for p in plan)
     fields = fingerprint_fields(spec, checkpoint, device)
     return PreparedCache(spec, checkpoint, plan, layout, fields, fingerprint(fields))
 

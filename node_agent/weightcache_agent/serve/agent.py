@@ -60,7 +60,8 @@ from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.signature import file_signature
 from ..logs import Phases
 from ..load.progress import LoadProgress
-from ..packed_rows import PackedRows
+from ..load.layout import NAMINGS
+from ..packed_rows import EncodedManifests
 from ..spec import CacheSpec
 from .access import (AccessError, SocketPolicy, bind_socket, check_not_a_file, check_socket_path, peer_groups, prepare_dir,
                      read_private, write_private)
@@ -210,8 +211,7 @@ class Agent:
         # Names this agent's arena in every manifest and "arena" reply: an engine that mapped the
         # arena while it started (`prepare(socket=...)`) uses that mapping only for the same arena.
         self._arena_id = secrets.token_hex(16)
-        self._manifest = b"[]"  # the rows as JSON columns, for engines that do not ask for them packed
-        self._packed: tuple[bytes, bytes] = (b"{}", b"")  # packed rows: what the JSON says of them, the payload
+        self._manifests: EncodedManifests | None = None  # the rows under each naming, once loaded
         # engine fields per distinct request: every engine of a deployment sends the same one
         self._engine_fields: dict[str, dict[str, Any]] = {}
         self.timings: dict[str, float] = {}  # where the load's seconds went: prepare, allocate, fill
@@ -386,11 +386,7 @@ class Agent:
             if peer is not None:
                 peer.close()
         self._guard_arena(self.cache.arena, fresh=not self.adopted)
-        # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
-        columns = self.cache.layout.to_manifest()
-        self._manifest = json.dumps(columns, separators=(",", ":")).encode()
-        packed = PackedRows.from_columns(columns)
-        self._packed = json.dumps(packed.header(), separators=(",", ":")).encode(), bytes(packed.data)
+        self._manifests = EncodedManifests(self.cache.layout)
         if self.leases():  # engines that rejoined during the load hold the arena too
             with self._lock:
                 try:
@@ -988,6 +984,9 @@ class Agent:
         _check_lease_terms("attach", role, group)
         if not isinstance(request, dict) or not isinstance(request.get("spec"), dict):
             raise ProtocolError(f"attach needs request, an object with a spec; got {type(request).__name__}")
+        names = message.get("names", "checkpoint")
+        if names not in NAMINGS:
+            raise ProtocolError(f"attach's names must be one of {', '.join(NAMINGS)}, got {str(names)[:40]!r}")
         identity = self._identify(conn, message, group, peer, uid)
         if identity is None:
             return None
@@ -1071,11 +1070,11 @@ class Agent:
             "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
+            columns, (header, payload) = self._manifests.get(names)
             if message.get("manifest") == "packed":
-                header, payload = self._packed
                 lease.send(reply, [cache.arena.fd], encoded={"tensors": header}, payload=payload)
             else:
-                lease.send(reply, [cache.arena.fd], encoded={"tensors": self._manifest})
+                lease.send(reply, [cache.arena.fd], encoded={"tensors": columns})
         except BaseException:
             self._end_lease(lease)
             raise

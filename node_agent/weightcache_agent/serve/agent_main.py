@@ -23,7 +23,7 @@ from ..errors import UnsupportedQuantization, WeightCacheError
 from ..logs import configure
 from .integrity import SCRUB_INTERVAL
 from ..quantization import ALLOWED, quantization_arg
-from ..spec import DTYPE_CHOICES, LAYOUT_CHOICES, CacheSpec
+from ..spec import DTYPE_CHOICES, CacheSpec
 from ..usage import (EXIT_BUSY, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, TORCH_INSTALL,
                      parser as usage_parser, refuse)
 
@@ -102,7 +102,7 @@ def _add_node_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_weight_flags(p: argparse.ArgumentParser) -> None:
-    """What is served: device, dtype, quantization, tensor parallelism, layout, revision."""
+    """What is served: device, dtype, quantization, tensor parallelism, revision."""
     p.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda when a GPU is visible")
     p.add_argument("--device", default=None, help="GPU ordinal (0, or cuda:0) or UUID (cuda backend; default: 0)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -117,9 +117,8 @@ def _add_weight_flags(p: argparse.ArgumentParser) -> None:
                                           "promote the same engine; rank 0's agent decides (node mode passes it)")
     p.add_argument("--sharding", help="sharding preset name or YAML rules file (default: chosen from config.json)")
     p.add_argument("--expert-parallel", action="store_true", help="place whole experts per rank")
-    p.add_argument("--layout", choices=LAYOUT_CHOICES, default="file",
-                   help="file: every checkpoint tensor by its own name; vllm: q|k|v and gate|up back to back, served "
-                        "as vLLM's fused qkv_proj / gate_up_proj (zero-copy for --load-format weightcache)")
+    # Accepted from older manifests and scripts, and ignored: every arena now serves both namings.
+    p.add_argument("--layout", choices=("file", "vllm"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--revision", help="revision label, part of the fingerprint: an engine that names another "
                                       "revision is refused")
 
@@ -238,7 +237,7 @@ def main(argv: list[str]) -> int:
     try:
         spec = CacheSpec(model=args.model, tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization,
                          dtype=args.dtype, sharding=args.sharding, expert_parallel=args.expert_parallel,
-                         revision=args.revision, layout=args.layout)
+                         revision=args.revision)
     except UnsupportedQuantization as e:
         return refuse(PROG, str(e), EXIT_USAGE)
     except ValueError as e:

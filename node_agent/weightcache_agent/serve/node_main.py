@@ -133,7 +133,7 @@ def run_node(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 1
     config = NodeConfig(model=os.path.abspath(args.model), socket_dir=socket_dir, tp_size=args.tp_size,
                         backend=backend, quantization=args.quantization, dtype=args.dtype, revision=args.revision,
-                        sharding=args.sharding, expert_parallel=args.expert_parallel, layout=args.layout,
+                        sharding=args.sharding, expert_parallel=args.expert_parallel,
                         handshake_timeout=args.handshake_timeout, log_format=args.log_format, node_name=node_name,
                         socket_group=args.socket_group, max_leases=args.max_leases, max_pending=args.max_pending,
                         max_leases_per_uid=args.max_leases_per_uid, max_pending_per_uid=args.max_pending_per_uid,

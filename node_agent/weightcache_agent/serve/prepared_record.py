@@ -4,7 +4,7 @@ Planning (headers, sharding, quantization, layout) parses every header, and an a
 re-adopts needs none of it: start-up spent before the first status answer. After a load, the agent writes
 a record of its prepared cache beside its socket (0600, like the state file): the spec,
 the checkpoint's file signature and content identity, the fingerprint fields, and the
-layout as its manifest columns plus each slot's kind. A restarted agent with engines to
+layout as its manifest columns, its fused groups and each slot's kind. A restarted agent with engines to
 re-adopt from reads it back and serves from it -- status, rejoins, attaches -- with no
 torch and no header read, provided everything that decides the bytes is unchanged: the
 same spec, the same files (by signature), the same device and torch (the fields'
@@ -19,14 +19,14 @@ from typing import Any
 
 from .. import __version__
 from ..load.fingerprint import LAYOUT_VERSION, environment_fields
-from ..load.layout import hash_rows
+from ..load.layout import check_names, fuse_columns, hash_rows
 from ..load.signature import file_signature
 from ..spec import CacheSpec
 from .access import read_private, write_private
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2
 MAX_RECORD_BYTES = 512 << 20  # a manifest of several hundred thousand tensors
 
 
@@ -37,15 +37,16 @@ class RecordedLayout:
     size: int
     nbytes: int
     layout_hash: str
-    manifest: dict[str, list]
+    manifest: dict[str, list]  # the checkpoint's names
     kinds: list[str]
+    groups: list[list[Any]]
 
     @property
     def slots(self) -> list[str]:  # what `len(layout.slots)` counts
         return self.manifest["name"]
 
-    def to_manifest(self) -> dict[str, list]:
-        return self.manifest
+    def to_manifest(self, names: str = "checkpoint") -> dict[str, list]:
+        return self.manifest if check_names(names) == "checkpoint" else fuse_columns(self.manifest, self.groups)
 
 
 @dataclass
@@ -75,13 +76,13 @@ def write_record(path: str, prepared: Any) -> None:
         signature, revision, kinds = prepared.signature, prepared.revision, layout.kinds
     else:
         signature, revision = prepared.checkpoint.signature, prepared.checkpoint.revision
-        kinds = [slot.kind for slot in layout.rows]
+        kinds = [slot.kind for slot in layout.slots]
     write_private(path, {
         "version": RECORD_VERSION, "package": __version__, "layout_version": LAYOUT_VERSION,
         "spec": prepared.spec.to_json(), "signature": signature, "revision": revision,
         "fields": prepared.fields, "fingerprint": prepared.fingerprint,
         "size": layout.size, "nbytes": layout.nbytes, "layout_hash": layout.layout_hash,
-        "manifest": layout.to_manifest(), "kinds": kinds,
+        "manifest": layout.to_manifest(), "kinds": kinds, "groups": [[f, list(p)] for f, p in layout.groups],
     })
 
 
@@ -118,7 +119,7 @@ def _stale(doc: dict[str, Any], spec: CacheSpec, device_mark: str) -> str | None
 
 
 def _layout(doc: dict[str, Any]) -> RecordedLayout:
-    manifest, kinds, size = doc["manifest"], doc["kinds"], int(doc["size"])
+    manifest, kinds, groups, size = doc["manifest"], doc["kinds"], doc["groups"], int(doc["size"])
     names, offsets, forms, index = manifest["name"], manifest["offset"], manifest["forms"], manifest["form"]
     if not len(names) == len(offsets) == len(index) == len(kinds):
         raise ValueError("manifest columns differ in length")
@@ -126,7 +127,8 @@ def _layout(doc: dict[str, Any]) -> RecordedLayout:
     for name, offset, form, kind in zip(names, offsets, index, kinds):
         dtype, shape, stride = forms[form]
         rows.append([name, offset, shape, stride, dtype, kind])
-    if hash_rows(size, rows) != doc["layout_hash"]:
+    if hash_rows(size, rows, groups) != doc["layout_hash"]:
         raise ValueError("the layout does not hash to the recorded layout hash")
-    return RecordedLayout(size, int(doc["nbytes"]), doc["layout_hash"], manifest, kinds)
+    fuse_columns(manifest, groups)  # what an engine asking for fused names gets: checked before it is served
+    return RecordedLayout(size, int(doc["nbytes"]), doc["layout_hash"], manifest, kinds, groups)
 

@@ -90,7 +90,6 @@ class NodeConfig:
     revision: str | None = None
     sharding: str | None = None
     expert_parallel: bool = False
-    layout: str = "file"
     handshake_timeout: float = 10.0
     log_format: str = "text"
     node_name: str = ""
@@ -125,8 +124,6 @@ class NodeConfig:
             argv.append(f"--sharding={self.sharding}")
         if self.expert_parallel:
             argv.append("--expert-parallel")
-        if self.layout != "file":
-            argv += ["--layout", self.layout]
         if self.socket_group is not None:
             argv += ["--socket-group", str(self.socket_group)]
         for flag, value in (("--max-pending", self.max_pending), ("--max-leases-per-uid", self.max_leases_per_uid),

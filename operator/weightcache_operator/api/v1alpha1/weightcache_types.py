@@ -35,7 +35,6 @@ REFUSED_WHY = (
     f"use {' or '.join(SUPPORTED_QUANTIZATION)}."
 )
 DTYPES = ("auto", "bfloat16", "float16", "float32")
-LAYOUTS = ("file", "vllm")  # the agent's --layout choices
 # Rule modes the agent knows (node_agent sharding.MODES).
 MODES = ("column", "row", "vocab", "replicated")
 
@@ -85,7 +84,6 @@ class WeightCacheSpec:
     expert: int = 1
     quantization: str = "none"
     dtype: str = "auto"
-    layout: str = "file"
     sharding_preset: str | None = None
     sharding_rules: tuple[ShardingRule, ...] = ()
     node_selector: tuple[tuple[str, str], ...] = ()
@@ -212,9 +210,6 @@ def parse_spec(spec: Mapping[str, Any]) -> WeightCacheSpec:
     if dtype not in DTYPES:
         raise SpecError("InvalidSpec", f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     preset, rules = _sharding(spec)
-    layout = spec.get("layout", "file")
-    if layout not in LAYOUTS:
-        raise SpecError("InvalidSpec", f"layout {layout!r} is not one of {', '.join(LAYOUTS)}")
 
     node_selector = spec.get("nodeSelector") or {}
     if not isinstance(node_selector, Mapping) or not all(
@@ -255,7 +250,6 @@ def parse_spec(spec: Mapping[str, Any]) -> WeightCacheSpec:
         expert=expert,
         quantization=quantization,
         dtype=dtype,
-        layout=layout,
         sharding_preset=preset,
         sharding_rules=rules,
         node_selector=tuple(sorted((str(k), str(v)) for k, v in node_selector.items())),

@@ -168,8 +168,6 @@ def agent_args(cs: WeightCacheSpec, namespace: str, name: str, uid: str | None =
         args += ["--sharding", cs.sharding_preset]
     if cs.expert > 1:
         args.append("--expert-parallel")
-    if cs.layout != "file":
-        args += ["--layout", cs.layout]
     return args
 
 
