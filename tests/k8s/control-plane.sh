@@ -9,7 +9,7 @@
 # Idempotent: generates certs/keys/kubeconfigs only when missing, starts only components whose
 # recorded process is not alive (etcd, then the apiserver; the controller-manager and scheduler
 # only once the apiserver's /healthz is ok, so RBAC bootstrap roles exist), waits until
-# `kubectl get --raw /healthz` says ok and the controller-manager's and scheduler's /healthz say
+# the apiserver's /healthz (as the admin) says ok and the controller-manager's and scheduler's /healthz say
 # ok, exits 0. Concurrent invocations are serialised with flock on LAB_DIR/run/up.lock.
 # If everything is already up and healthy it just exits 0.
 # Processes run detached (setsid + nohup); PIDs in LAB_DIR/run/*.pid, logs in LAB_DIR/logs.
@@ -88,8 +88,9 @@ start() {
   log "started $name pid $(cat "$RUN/$name.pid" 2>/dev/null || echo ?)"
 }
 
-healthz() {
-  "$KUBECTL" --kubeconfig "$KUBECONFIG_ADMIN" --request-timeout=5s get --raw /healthz 2>/dev/null
+healthz() {  # the apiserver's /healthz as the admin (curl: a tenth of a kubectl start's CPU)
+  curl -s --max-time 5 --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" \
+    "https://127.0.0.1:$APISERVER_PORT/healthz" 2>/dev/null
 }
 
 port_healthz() {  # port_healthz PORT
