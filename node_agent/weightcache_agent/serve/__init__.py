@@ -2,7 +2,11 @@
 
 `agent` is one worker (one GPU, one socket): it loads or re-adopts the arena, answers
 `status`, `attach`, `rejoin` and `detach`, keeps one lease per engine connection and
-promotes a standby when its primary's connection drops. `supervisor` runs one worker per
+promotes a standby when its primary's connection drops. It is a façade over single-job
+parts, each handed what it needs and none importing it: `connections` (accept, bounds,
+routing), `handlers` (one per request type), `lease` and `lease_book`, `promotion` and
+`rank_group`, `arena_holder` (fill sources in `fill_sources`, lifecycle in `phase`),
+`arena_guard` (digest and scrub), `restart_state` (what the next agent reads), `status`. `supervisor` runs one worker per
 GPU on a node and serves HTTP health, status and Prometheus metrics (`agent_http`);
 `process_group` starts and stops child processes; `agent_main` and `status_cli` are the
 `weightcache agent` and `weightcache status` entry points. `access` decides who may use a

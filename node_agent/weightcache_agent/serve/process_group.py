@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .agent import remove_socket_files
+from .sockets import remove_socket_files
 from ..protocol import agent_status
 from ..errors import AgentUnavailable
 

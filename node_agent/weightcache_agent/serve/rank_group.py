@@ -23,7 +23,7 @@ single-rank rules.
         only once the whole engine is primary. The other ranks' reports of the same loss find
         the new primary and do nothing.
 
-Off Kubernetes a group is keyed by uid and name (serve/agent.py): every claim and loss names
+Off Kubernetes a group is keyed by uid and name (serve/lease.py): every claim and loss names
 the group's `owner` uid, and only leases of that uid count (None in a cluster: the name
 carries the namespace). The coordinator reads the other ranks' leases from their status (one
 request per rank); a rank that does not answer is retried for `PEER_WAIT` seconds, then the
@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..errors import WeightCacheError
@@ -48,15 +48,21 @@ PEER_WAIT = 5.0  # seconds the coordinator retries a rank that does not answer
 REQUEST_TIMEOUT = 5.0
 PRIMARY_ROLES = ("primary", "promoting")
 
+# This rank's own switchover (serve/promotion.py's `switch`): (group, to_engine=..., owner=...) -> reply.
+Switch = Callable[..., dict[str, Any]]
+
 
 class RankGroup:
     """This agent's place among the rank agents of one replica; the coordinator's state on rank 0."""
 
-    def __init__(self, agent: Any, sockets: list[str], rank: int):
-        # agent: the serve.agent.Agent that owns this group (which imports this module, not the reverse)
+    def __init__(self, sockets: list[str], rank: int, switch: Switch,
+                 leases: Callable[[], list[dict[str, Any]]]):
+        """`switch` and `leases` are this rank's own agent's: its switchover, and its leases as status
+        lists them (`clients`); the coordinator asks the other ranks over their sockets instead."""
         if not 0 <= rank < len(sockets):
             raise ValueError(f"rank {rank} has no socket among the {len(sockets)} rank sockets")
-        self.agent, self.sockets, self.rank = agent, sockets, rank
+        self.sockets, self.rank = sockets, rank
+        self._switch, self._leases = switch, leases
         self._lock = threading.Lock()  # the coordinator decides one claim or loss at a time
         # (owner, group) -> (engine, when), until its leases show
         self._elected: dict[tuple[int | None, str], tuple[str, float]] = {}
@@ -129,7 +135,7 @@ class RankGroup:
             replies = []
             for rank in reversed(range(len(self.sockets))):  # rank 0 last: its promotion moves the label
                 if rank == self.rank:
-                    reply = self.agent.switch(group, to_engine=successor, owner=owner)
+                    reply = self._switch(group, to_engine=successor, owner=owner)
                 else:
                     try:
                         reply = switch_rank(self.sockets[rank], group, to_engine=successor, timeout=REQUEST_TIMEOUT,
@@ -154,7 +160,7 @@ class RankGroup:
         out = []
         for rank, path in enumerate(self.sockets):
             if rank == self.rank:
-                out.append([lease.to_json() for lease in self.agent.leases()])
+                out.append(self._leases())
                 continue
             deadline = time.monotonic() + PEER_WAIT
             while True:
