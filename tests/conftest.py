@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
+import k8s_lab as lab_module
 from k8s_lab import Lab, unavailable_reason
 
 # How the suite is spread over pytest-xdist's workers (`--dist loadgroup`, set in pyproject.toml):
@@ -59,15 +60,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # Where a run's CPU goes: on a machine of two cores the suite's wall time is bounded below by its CPU
 # seconds over two, so CI's time is cut by cutting these. Each phase of a test reports the CPU its
 # worker and the processes the worker reaped spent since the previous phase; the summary adds them
-# up per unit. Processes that run detached (a control plane's, the fake kubelet's pods) are not in
-# it: docs/development.md gives a whole run's, from the kernel's process accounting.
+# up per unit. A control plane's processes run detached: what they spent is read from /proc when the
+# worker stops them and counted in the phase that stops them. docs/development.md gives a whole
+# run's, from the kernel's process accounting.
 _cpu_mark = [0.0]
 _cpu_by_unit: dict[str, float] = {}
 
 
 def _cpu_seconds() -> float:
     t = os.times()
-    return t.user + t.system + t.children_user + t.children_system
+    return t.user + t.system + t.children_user + t.children_system + lab_module.detached_cpu_s[0]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -131,7 +133,9 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
     install_or_upgrade_chart(k8s_lab)
     # No pod for the chart's operator Deployment: a test that needs the operator runs it as a
     # local process against the lab, and a fake kubelet must not find an operator pod to run.
-    k8s_lab.kubectl("-n", "weightcache-system", "scale", "deployment", "--all", "--replicas=0")
+    deployments = "/apis/apps/v1/namespaces/weightcache-system/deployments"
+    for deployment in k8s_lab.api.get(deployments)["items"]:  # `kubectl scale deployment --all --replicas=0`
+        k8s_lab.api.patch(f"{deployments}/{deployment['metadata']['name']}/scale", {"spec": {"replicas": 0}})
     return k8s_lab
 
 
