@@ -31,6 +31,7 @@ log = logging.getLogger("weightcache.demo")
 GROUP = "demo"
 PROMPT = [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278]  # the reference engine takes token ids
 NEW_TOKENS = 12
+STEPS = 6  # what the demo shows, one numbered line each
 # Seconds of quiet after which a waiting step says it is still at it (the agent's
 # WEIGHTCACHE_PROGRESS_INTERVAL, when set, paces these lines too).
 HEARTBEAT = 2.0
@@ -230,7 +231,7 @@ class UsageError(WeightCacheError):
 
 
 def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
-    steps = 6
+    """The six steps, each printed as it goes; what was measured, for the summary and `--json`."""
     console.say(console.style("weightcache demo", "1") + " - weights loaded once, attached in milliseconds, "
                 "a hot standby that takes over when the primary dies")
     console.say()
@@ -238,7 +239,28 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         preflight(args)
         from ..serve.process_group import ProcessGroup
         from ..testing import synthetic  # noqa: F401  torch, for the checkpoint: imported under this ticker
-    console.step(1, steps, "checkpoint")
+    model_dir, nbytes, prompt = _checkpoint_step(args, console)
+    disk_seconds, reference = _disk_step(model_dir, nbytes, prompt, console)
+    summary: dict[str, Any] = {"model": model_dir, "bytes": nbytes, "disk_load_seconds": disk_seconds,
+                               "run_dir": args.run_dir, "pids": {}}
+    # the outer stack closes after the ProcessGroup: its heartbeat covers the children's shutdown
+    with contextlib.ExitStack() as shutdown, ProcessGroup(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
+        agent, status = _agent_step(sup, args, model_dir, nbytes, console, summary)
+        primary, standby = _engines_step(sup, args, model_dir, agent, console, summary)
+        reply = _request_step(primary, prompt, reference, status["backend"], console, summary)
+        _failover_step(agent, primary, standby, prompt, reply, args.timeout, console, summary)
+        console.say()
+        _print_summary(console, summary)
+        console.say()
+        console.say("stopping the standby and the agent ...")
+        shutdown.enter_context(console.waiting("stopping"))
+    console.say("done: no process or socket left behind.")
+    return summary
+
+
+def _checkpoint_step(args: argparse.Namespace, console: Console) -> tuple[str, int, list[int]]:
+    """Step 1: the synthetic checkpoint (written once, then reused): its directory, bytes, the prompt."""
+    console.step(1, STEPS, "checkpoint")
     model_dir, created = ensure_checkpoint(args.dir or default_cache_dir(), args.size, console)  # says when it writes
     from ..load.checkpoint import open_checkpoint
 
@@ -250,8 +272,12 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     console.detail(f"{model_dir}{'' if created else '  (cached: written by an earlier run, reused)'}")
     console.detail(f"Llama, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
                    f"{fmt_bytes(nbytes)} of bf16 in {len(checkpoint.tensors)} tensors")
+    return model_dir, nbytes, prompt
 
-    console.step(2, steps, "disk load in this process (what every engine restart pays without weightcache)")
+
+def _disk_step(model_dir: str, nbytes: int, prompt: list[int], console: Console) -> tuple[float, list[int]]:
+    """Step 2: the load every restart pays without weightcache, in this process: (seconds, reference tokens)."""
+    console.step(2, STEPS, "disk load in this process (what every engine restart pays without weightcache)")
     cold = drop_page_cache(model_dir)
     console.detail("building the model and reading every tensor from disk ...")
     with console.waiting("loading from disk, then a reference request"):
@@ -265,89 +291,97 @@ def run(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     del model, attachment
     console.detail(f"{fmt_seconds(disk_seconds)}  ({fmt_bytes(nbytes / disk_seconds)}/s"
                    f"{', page cache dropped first' if cold else ''})")
+    return disk_seconds, reference
 
-    summary: dict[str, Any] = {"model": model_dir, "bytes": nbytes, "disk_load_seconds": disk_seconds,
-                               "run_dir": args.run_dir, "pids": {}}
-    # the outer stack closes after the ProcessGroup: its heartbeat covers the children's shutdown
-    with contextlib.ExitStack() as shutdown, ProcessGroup(args.run_dir, remove_run_dir=args.remove_run_dir) as sup:
-        console.step(3, steps, "agent: cold load into shared memory (once per node)")
-        drop_page_cache(model_dir)
-        agent = sup.start_agent(model_dir, backend=args.backend)
-        summary["pids"]["agent"] = agent.pid
-        console.detail(f"agent pid {agent.pid}, socket {agent.socket}: a new process: it reads the checkpoint's "
-                       "headers, plans the arena, then loads")
-        bar = _progress_bar(console, nbytes)
-        latest: dict[str, Any] = {}
 
-        def seen(s: dict[str, Any]) -> None:
-            if s["phase"] != latest.get("phase"):
-                bar.set_description_str(f"      agent {s['phase']}", refresh=False)
-            latest.update(s)
-            bar.update(s["progress"]["bytes_done"] - bar.n)
+def _agent_step(sup: Any, args: argparse.Namespace, model_dir: str, nbytes: int, console: Console,
+                summary: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """Step 3: the agent's cold load, its progress as a bar: (the agent, its ready status)."""
+    console.step(3, STEPS, "agent: cold load into shared memory (once per node)")
+    drop_page_cache(model_dir)
+    agent = sup.start_agent(model_dir, backend=args.backend)
+    summary["pids"]["agent"] = agent.pid
+    console.detail(f"agent pid {agent.pid}, socket {agent.socket}: a new process: it reads the checkpoint's "
+                   "headers, plans the arena, then loads")
+    bar = _progress_bar(console, nbytes)
+    latest: dict[str, Any] = {}
 
-        try:
-            with console.waiting(lambda: "" if console.bars else _agent_phase(latest)):
-                status = agent.wait_ready(timeout=args.timeout, on_status=seen)
-        finally:
-            bar.close()
-        summary["agent_load_seconds"] = status["load_seconds"]
-        summary["backend"] = status["backend"]
-        console.detail(f"{fmt_seconds(status['load_seconds'])}  ({fmt_bytes(status['bytes'])} resident, backend "
-                       f"{status['backend']}{_gpu_note(status['backend'])})")
+    def seen(s: dict[str, Any]) -> None:
+        if s["phase"] != latest.get("phase"):
+            bar.set_description_str(f"      agent {s['phase']}", refresh=False)
+        latest.update(s)
+        bar.update(s["progress"]["bytes_done"] - bar.n)
 
-        console.step(4, steps, "primary and standby engines attach to the same weights")
-        primary = sup.start_engine(model_dir, "primary", socket=agent.socket, group=GROUP, role="primary")
-        standby = sup.start_engine(model_dir, "standby", socket=agent.socket, group=GROUP, role="standby")
-        summary["pids"].update(primary=primary.pid, standby=standby.pid)
-        console.detail(f"primary pid {primary.pid}, standby pid {standby.pid} (group {GROUP!r}): each imports torch, "
-                       "builds the model on the meta device and attaches")
-        with console.waiting("engines starting; the primary is not ready yet"):
-            p_health = primary.wait_state(lambda h: h["ready"], timeout=args.timeout, what="readiness")
-        with console.waiting("the standby is still starting"):
-            s_health = standby.wait_serving(timeout=args.timeout)
-        summary["attach_seconds"] = {"primary": p_health["attach_seconds"], "standby": s_health["attach_seconds"]}
-        console.detail(f"primary attached in {fmt_seconds(p_health['attach_seconds'])} and is ready on {primary.url}")
-        console.detail(f"standby attached in {fmt_seconds(s_health['attach_seconds'])}, warm, /readyz 503 until promoted")
-        console.detail("both map the agent's memory read-only: one copy of the weights, not three")
+    try:
+        with console.waiting(lambda: "" if console.bars else _agent_phase(latest)):
+            status = agent.wait_ready(timeout=args.timeout, on_status=seen)
+    finally:
+        bar.close()
+    summary["agent_load_seconds"] = status["load_seconds"]
+    summary["backend"] = status["backend"]
+    console.detail(f"{fmt_seconds(status['load_seconds'])}  ({fmt_bytes(status['bytes'])} resident, backend "
+                   f"{status['backend']}{_gpu_note(status['backend'])})")
+    return agent, status
 
-        console.step(5, steps, "a request to the primary")
-        t0 = time.perf_counter()
-        with console.waiting("generating"):
-            code, reply = primary.generate(prompt, NEW_TOKENS)
-        if code != 200:
-            raise WeightCacheError(f"the primary answered {code}: {reply.get('error')}")
-        summary["request_seconds"] = time.perf_counter() - t0
-        console.detail(f"POST /generate {{tokens: {prompt}, max_tokens: {NEW_TOKENS}}}")
-        console.detail(f"-> {reply['tokens']}  in {fmt_seconds(summary['request_seconds'])}")
-        if status["backend"] == "cpu":  # the step-2 reference ran on the cpu: comparable bit for bit
-            same = reply["tokens"] == reference
-            console.detail("same tokens as the model loaded from disk in step 2" if same else
-                           console.style("DIFFERENT tokens from the model loaded from disk in step 2", "1;31"))
-        else:
-            same = True
-            console.detail(f"(step 2 ran on the cpu, the engines on {status['backend']}: tokens are not compared)")
-        summary["same_tokens"] = same
 
-        console.step(6, steps, f"SIGKILL the primary (pid {primary.pid}); the agent promotes the standby")
-        with console.waiting("waiting for the standby's answer"):
-            failover = _failover(primary, standby, prompt, args.timeout)
-            summary["failover_seconds"] = failover
-            code, again = standby.generate(prompt, NEW_TOKENS)
-        summary["failover_same_tokens"] = code == 200 and again["tokens"] == reply["tokens"]
-        roles = {c["pid"]: c["role"] for c in agent.status()["clients"]}
-        console.detail(f"the standby answered {fmt_seconds(failover)} after the kill; agent now lists pid {standby.pid} "
-                       f"as {roles.get(standby.pid, '?')}")
-        console.detail("the same request to the new primary gives the same tokens" if summary["failover_same_tokens"]
-                       else console.style(f"the new primary answered differently: {code} {again}", "1;31"))
-        summary["promoted_role"] = roles.get(standby.pid)
+def _engines_step(sup: Any, args: argparse.Namespace, model_dir: str, agent: Any, console: Console,
+                  summary: dict[str, Any]) -> tuple[Any, Any]:
+    """Step 4: a primary and a standby engine attached to the agent's arena."""
+    console.step(4, STEPS, "primary and standby engines attach to the same weights")
+    primary = sup.start_engine(model_dir, "primary", socket=agent.socket, group=GROUP, role="primary")
+    standby = sup.start_engine(model_dir, "standby", socket=agent.socket, group=GROUP, role="standby")
+    summary["pids"].update(primary=primary.pid, standby=standby.pid)
+    console.detail(f"primary pid {primary.pid}, standby pid {standby.pid} (group {GROUP!r}): each imports torch, "
+                   "builds the model on the meta device and attaches")
+    with console.waiting("engines starting; the primary is not ready yet"):
+        p_health = primary.wait_state(lambda h: h["ready"], timeout=args.timeout, what="readiness")
+    with console.waiting("the standby is still starting"):
+        s_health = standby.wait_serving(timeout=args.timeout)
+    summary["attach_seconds"] = {"primary": p_health["attach_seconds"], "standby": s_health["attach_seconds"]}
+    console.detail(f"primary attached in {fmt_seconds(p_health['attach_seconds'])} and is ready on {primary.url}")
+    console.detail(f"standby attached in {fmt_seconds(s_health['attach_seconds'])}, warm, /readyz 503 until promoted")
+    console.detail("both map the agent's memory read-only: one copy of the weights, not three")
+    return primary, standby
 
-        console.say()
-        _print_summary(console, summary)
-        console.say()
-        console.say("stopping the standby and the agent ...")
-        shutdown.enter_context(console.waiting("stopping"))
-    console.say("done: no process or socket left behind.")
-    return summary
+
+def _request_step(primary: Any, prompt: list[int], reference: list[int], backend: str, console: Console,
+                  summary: dict[str, Any]) -> dict[str, Any]:
+    """Step 5: one request to the primary, its tokens compared with step 2's where that means something."""
+    console.step(5, STEPS, "a request to the primary")
+    t0 = time.perf_counter()
+    with console.waiting("generating"):
+        code, reply = primary.generate(prompt, NEW_TOKENS)
+    if code != 200:
+        raise WeightCacheError(f"the primary answered {code}: {reply.get('error')}")
+    summary["request_seconds"] = time.perf_counter() - t0
+    console.detail(f"POST /generate {{tokens: {prompt}, max_tokens: {NEW_TOKENS}}}")
+    console.detail(f"-> {reply['tokens']}  in {fmt_seconds(summary['request_seconds'])}")
+    if backend == "cpu":  # the step-2 reference ran on the cpu: comparable bit for bit
+        same = reply["tokens"] == reference
+        console.detail("same tokens as the model loaded from disk in step 2" if same else
+                       console.style("DIFFERENT tokens from the model loaded from disk in step 2", "1;31"))
+    else:
+        same = True
+        console.detail(f"(step 2 ran on the cpu, the engines on {backend}: tokens are not compared)")
+    summary["same_tokens"] = same
+    return reply
+
+
+def _failover_step(agent: Any, primary: Any, standby: Any, prompt: list[int], reply: dict[str, Any],
+                   timeout: float, console: Console, summary: dict[str, Any]) -> None:
+    """Step 6: SIGKILL the primary; the standby, promoted by the agent, answers the same request."""
+    console.step(6, STEPS, f"SIGKILL the primary (pid {primary.pid}); the agent promotes the standby")
+    with console.waiting("waiting for the standby's answer"):
+        failover = _failover(primary, standby, prompt, timeout)
+        summary["failover_seconds"] = failover
+        code, again = standby.generate(prompt, NEW_TOKENS)
+    summary["failover_same_tokens"] = code == 200 and again["tokens"] == reply["tokens"]
+    roles = {c["pid"]: c["role"] for c in agent.status()["clients"]}
+    console.detail(f"the standby answered {fmt_seconds(failover)} after the kill; agent now lists pid {standby.pid} "
+                   f"as {roles.get(standby.pid, '?')}")
+    console.detail("the same request to the new primary gives the same tokens" if summary["failover_same_tokens"]
+                   else console.style(f"the new primary answered differently: {code} {again}", "1;31"))
+    summary["promoted_role"] = roles.get(standby.pid)
 
 
 def _failover(primary: Any, standby: Any, prompt: list[int], timeout: float) -> float:

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Any
 
 from ..errors import WeightCacheError
 from ..logs import configure
@@ -89,6 +90,27 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_format, getattr(logging, args.log_level.upper()))
+    refused = _check_flags(parser, args)
+    if refused is not None:
+        return refused
+    if args.tp_size > 1 and args.tp_rank is None:
+        from .launch import launch
+
+        return launch(argv, args.tp_size, args.dist_init, args.drain_seconds)
+    args.tp_rank = args.tp_rank or 0
+    server = _start_up(args)
+    options = server.EngineOptions(
+        model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
+        tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
+        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init,
+        engine_id=args.engine_id, sharding=args.sharding)
+    if args.tp_size > 1 and args.tp_rank > 0:
+        return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
+    return _serve(args, options, server)
+
+
+def _check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int | None:
+    """The exit status of a refusal, or None: the flags, the model and torch are fit to start with."""
     if not args.model:
         parser.error("--model (or $WEIGHTCACHE_MODEL) is required")
     if args.mode != "off" and not (args.socket or os.environ.get("WEIGHTCACHE_SOCKET")
@@ -105,12 +127,12 @@ def main(argv: list[str]) -> int:
     problem = model_problem(args.model) or torch_problem("the engine")
     if problem:
         return refuse("weightcache engine", problem, EXIT_FAILED)
+    return None
 
-    if args.tp_size > 1 and args.tp_rank is None:
-        from .launch import launch
 
-        return launch(argv, args.tp_size, args.dist_init, args.drain_seconds)
-    args.tp_rank = args.tp_rank or 0
+def _start_up(args: argparse.Namespace) -> Any:
+    """The agent's GPU found while torch imports (engine/startup.py), then torch; engine/server.py, imported
+    before start-up's "imports done" mark, as it counts among them."""
     from .startup import begin
 
     if args.mode != "off":
@@ -122,30 +144,29 @@ def main(argv: list[str]) -> int:
             begin(None)  # attach names what is missing
     import torch  # after flag checks: a typo costs no torch import
 
-    from ..serve.stop import StopFlag
-    from .server import Engine, EngineOptions, make_server
+    from . import server
 
     from .startup import PHASES
 
     PHASES.mark("imports done")
     if args.threads:
         torch.set_num_threads(args.threads)
-    options = EngineOptions(
-        model=args.model, socket=args.socket, mode=args.mode, role=args.role, group=args.group, fallback=args.fallback,
-        tp_size=args.tp_size, tp_rank=args.tp_rank, quantization=args.quantization, dtype=args.dtype,
-        max_context=args.max_context, max_new_tokens=args.max_new_tokens, dist_init=args.dist_init,
-        engine_id=args.engine_id, sharding=args.sharding)
-    if args.tp_size > 1 and args.tp_rank > 0:
-        return _follow(options)  # no HTTP: rank 0 takes the requests for the whole engine
+    return server
+
+
+def _serve(args: argparse.Namespace, options: Any, server_module: Any) -> int:
+    """Rank 0 (or the only rank): HTTP, the attach, and serving until SIGTERM/SIGINT."""
+    from ..serve.stop import StopFlag
+
     try:
-        engine = Engine(options)
+        engine = server_module.Engine(options)
     except (ValueError, WeightCacheError) as e:
         print(f"weightcache engine: {e}", file=sys.stderr)
         return 2
 
     stop = StopFlag().on_signals()  # a self-pipe: safe to raise from a signal handler, unlike Event.set
     try:
-        server = make_server(engine, args.host, args.port)
+        server = server_module.make_server(engine, args.host, args.port)
     except OSError as e:
         print(f"weightcache engine: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
         return 1

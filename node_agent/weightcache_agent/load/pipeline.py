@@ -145,9 +145,6 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
     Reads are direct or buffered as `direct_io_mode()` says; behind a `read_ahead` (load/prefetch.py:
     it reads the files into the page cache) buffered, each waiting for it to pass its bytes.
     """
-    slots = {slot.name: slot for slot in layout.slots}
-    workers = workers or default_workers()
-    readers = max(1, readers or default_readers())
     files = Files.for_fill(read_ahead)
     if fd is not None:
         try:
@@ -156,107 +153,128 @@ def fill_arena(buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTenso
             fd = None
     if fd is not None:
         reserve = None
-    progress_ = LockedProgress(progress)
-    # room for an O_DIRECT read's aligned superset of staging_bytes from any file offset
-    pooled = align_up(staging_bytes) + ALIGN
-    pool: queue.Queue = queue.Queue()
-    # one per worker, one per reader being read into, one spare so readers run ahead
-    for _ in range(workers + readers + 1):
-        pool.put(mmap.mmap(-1, pooled))
-    work: queue.Queue = queue.Queue()
-    errors: list[BaseException] = []
-    reserved = _Reservations(reserve, layout.size)
-    feed = JobFeed(plan, slots, staging_bytes, progress_)
-    all_readers: list[Reader] = []  # for the count of bytes read each way
+    fill = _Fill(buffer, layout, plan, LockedProgress(progress), staging_bytes, fd, files,
+                 workers or default_workers(), max(1, readers or default_readers()), reserve)
+    fill.run()
+    log.debug("read %d bytes with O_DIRECT, %d buffered (%s=%s)", sum(r.direct_bytes for r in fill.readers),
+              sum(r.buffered_bytes for r in fill.readers), DIRECT_IO_ENV, files.mode)
 
-    def read_loop() -> None:
-        at_normal_priority()
-        reader = Reader(progress_, files, pooled)
-        all_readers.append(reader)
-        out_fd = _own_fd(fd) if fd is not None else None
+
+class _Fill:
+    """One fill's threads and what they share: readers turn jobs into staged pieces (or write plain
+    bytes straight into the arena), workers store or transform the pieces; the first error any
+    thread meets stops the others and is raised by `run`."""
+
+    def __init__(self, buffer: memoryview, layout: ArenaLayout, plan: list["PlannedTensor"], progress: LockedProgress,
+                 staging_bytes: int, fd: int | None, files: Files, workers: int, readers: int, reserve: Any):
+        self.buffer, self.fd, self.files, self.progress = buffer, fd, files, progress
+        self.staging_bytes, self.workers, self.reader_count = staging_bytes, workers, readers
+        self.slots = {slot.name: slot for slot in layout.slots}
+        # room for an O_DIRECT read's aligned superset of staging_bytes from any file offset
+        self.pooled = align_up(staging_bytes) + ALIGN
+        self.pool: queue.Queue = queue.Queue()
+        # one per worker, one per reader being read into, one spare so readers run ahead
+        for _ in range(workers + readers + 1):
+            self.pool.put(mmap.mmap(-1, self.pooled))
+        self.work: queue.Queue = queue.Queue()
+        self.errors: list[BaseException] = []
+        self.reserved = _Reservations(reserve, layout.size)
+        self.feed = JobFeed(plan, self.slots, staging_bytes, progress)
+        self.readers: list[Reader] = []  # for the count of bytes read each way
+
+    def run(self) -> None:
+        worker_threads = [threading.Thread(target=self.work_loop, name=f"load-worker-{k}", daemon=True)
+                          for k in range(self.workers)]
+        reader_threads = [threading.Thread(target=self.read_loop, name=f"load-reader-{k}", daemon=True)
+                          for k in range(self.reader_count)]
         try:
-            while not errors:
-                job = feed.next()
+            for t in worker_threads + reader_threads:
+                t.start()
+        except BaseException as e:
+            self.errors.append(e)
+        finally:
+            for t in reader_threads:
+                if t.ident is not None:
+                    t.join()
+            for _ in worker_threads:
+                self.work.put(None)
+            for t in worker_threads:
+                if t.ident is not None:
+                    t.join()
+            self.reserved.close()
+            self.files.close()
+            while not self.pool.empty():
+                close_buffer(self.pool.get())
+        if self.errors:
+            raise self.errors[0]
+
+    def read_loop(self) -> None:
+        at_normal_priority()
+        reader = Reader(self.progress, self.files, self.pooled)
+        self.readers.append(reader)
+        out_fd = _own_fd(self.fd) if self.fd is not None else None
+        try:
+            while not self.errors:
+                job = self.feed.next()
                 if job is None:
                     return
-                reserved.wait(job.end)
-                row_bytes = rows_of(job.item)[0] if job.piece else 1
-                lo, hi = job.lo * row_bytes, job.hi * row_bytes
-                direct = reader.direct(job.item, job.segments, lo, hi)
-                if direct is None and not job.piece:
-                    if out_fd is not None:
-                        reader.send(job.item, job.segments, lo, hi, out_fd, job.slot.offset + lo)
-                    else:
-                        reader.read(job.item, job.segments, lo, hi, buffer[job.slot.offset + lo : job.slot.offset + hi])
-                    feed.finish(job.item)
-                    continue
-                staging = pool.get() if hi - lo <= staging_bytes else mmap.mmap(-1, align_up(hi - lo) + ALIGN)
-                try:
-                    if errors:  # a worker failed while we waited: stop reading
-                        raise _Stop
-                    if direct is None:
-                        reader.read(job.item, job.segments, lo, hi, memoryview(staging)[: hi - lo])
-                        skip = 0
-                    else:
-                        skip = reader.read_direct(direct, job.item, job.segments, lo, hi, staging)
-                except BaseException:
-                    if len(staging) == pooled:
-                        pool.put(staging)
-                    raise
-                work.put(_Piece(job.item, job.lo, job.hi, staging, skip, not job.piece))
+                self._read(reader, job, out_fd)
         except _Stop:
             pass
-        except BaseException as e:  # the other threads see it and stop; re-raised below
-            errors.append(e)
+        except BaseException as e:  # the other threads see it and stop; re-raised by `run`
+            self.errors.append(e)
         finally:
             reader.close()
             if out_fd is not None:
                 os.close(out_fd)
 
-    def work_loop() -> None:
+    def _read(self, reader: Reader, job: Any, out_fd: int | None) -> None:
+        """One job: plain bytes straight into the arena, anything else staged for a worker."""
+        self.reserved.wait(job.end)
+        row_bytes = rows_of(job.item)[0] if job.piece else 1
+        lo, hi = job.lo * row_bytes, job.hi * row_bytes
+        direct = reader.direct(job.item, job.segments, lo, hi)
+        if direct is None and not job.piece:
+            if out_fd is not None:
+                reader.send(job.item, job.segments, lo, hi, out_fd, job.slot.offset + lo)
+            else:
+                reader.read(job.item, job.segments, lo, hi, self.buffer[job.slot.offset + lo : job.slot.offset + hi])
+            self.feed.finish(job.item)
+            return
+        staging = self.pool.get() if hi - lo <= self.staging_bytes else mmap.mmap(-1, align_up(hi - lo) + ALIGN)
+        try:
+            if self.errors:  # a worker failed while we waited: stop reading
+                raise _Stop
+            if direct is None:
+                reader.read(job.item, job.segments, lo, hi, memoryview(staging)[: hi - lo])
+                skip = 0
+            else:
+                skip = reader.read_direct(direct, job.item, job.segments, lo, hi, staging)
+        except BaseException:
+            if len(staging) == self.pooled:
+                self.pool.put(staging)
+            raise
+        self.work.put(_Piece(job.item, job.lo, job.hi, staging, skip, not job.piece))
+
+    def work_loop(self) -> None:
         at_normal_priority()
         scratch = _Scratch()
         while True:
-            piece = work.get()
+            piece = self.work.get()
             if piece is None:
                 return
             try:
-                if not errors:
+                if not self.errors:
                     if piece.plain:
-                        _store(piece, buffer, slots, fd)
+                        _store(piece, self.buffer, self.slots, self.fd)
                     else:
-                        _transform(piece, buffer, slots, fd, scratch)
-                    feed.finish(piece.item)
-            except BaseException as e:  # handed to the readers, which stop; re-raised below
-                errors.append(e)
+                        _transform(piece, self.buffer, self.slots, self.fd, scratch)
+                    self.feed.finish(piece.item)
+            except BaseException as e:  # handed to the readers, which stop; re-raised by `run`
+                self.errors.append(e)
             finally:
-                if len(piece.staging) == pooled:  # one-off oversized buffers are just dropped
-                    pool.put(piece.staging)
-
-    worker_threads = [threading.Thread(target=work_loop, name=f"load-worker-{k}", daemon=True) for k in range(workers)]
-    reader_threads = [threading.Thread(target=read_loop, name=f"load-reader-{k}", daemon=True) for k in range(readers)]
-    try:
-        for t in worker_threads + reader_threads:
-            t.start()
-    except BaseException as e:
-        errors.append(e)
-    finally:
-        for t in reader_threads:
-            if t.ident is not None:
-                t.join()
-        for _ in worker_threads:
-            work.put(None)
-        for t in worker_threads:
-            if t.ident is not None:
-                t.join()
-        reserved.close()
-        files.close()
-        while not pool.empty():
-            close_buffer(pool.get())
-    if errors:
-        raise errors[0]
-    log.debug("read %d bytes with O_DIRECT, %d buffered (%s=%s)", sum(r.direct_bytes for r in all_readers),
-              sum(r.buffered_bytes for r in all_readers), DIRECT_IO_ENV, files.mode)
+                if len(piece.staging) == self.pooled:  # one-off oversized buffers are just dropped
+                    self.pool.put(piece.staging)
 
 
 class _Stop(Exception):
