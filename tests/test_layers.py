@@ -144,6 +144,17 @@ def test_no_import_circle(package: Package):
             visit(node)
 
 
+# The agent worker is a façade (serve/agent.py) over single-job parts handed what they need: no part
+# imports the façade back, and only the command that runs a worker imports it at all.
+AGENT_FACADE = "weightcache_agent.serve.agent"
+FACADE_IMPORTERS = {"weightcache_agent.serve.agent_main"}
+
+
+def test_only_the_worker_command_imports_the_agent_facade():
+    importers = {module for module, targets in graph(AGENT).items() if AGENT_FACADE in targets}
+    assert importers <= FACADE_IMPORTERS, sorted(importers - FACADE_IMPORTERS)
+
+
 def test_the_checker_resolves_relative_and_lazy_imports(tmp_path):
     """A module of `arena` that imports `serve` inside a function is found, at its real name."""
     probe = tmp_path / "probe.py"

@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
-from .agent import remove_socket_files
+from .sockets import remove_socket_files
 from ..protocol import agent_status
 from .stop import StopFlag
 from ..arena.devices import Device
