@@ -102,7 +102,7 @@ class WeightcacheModelLoader(BaseModelLoader):
     def get_external_weight_memory(self, vllm_config: VllmConfig) -> int:
         """The arena bytes this rank will map (vLLM sizes its KV cache without them); 0 on a miss."""
         if self.attachment is not None:
-            return self.attachment.nbytes
+            return self.attachment.bytes
         rank = get_tensor_model_parallel_rank()
         try:
             status = agent_status(self._socket(rank))

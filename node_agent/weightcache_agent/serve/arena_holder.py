@@ -20,7 +20,6 @@ change together.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
@@ -33,7 +32,7 @@ from ..errors import WeightCacheError
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
 from ..logs import Phases
-from ..packed_rows import PackedRows
+from ..packed_rows import EncodedManifests
 from ..spec import CacheSpec
 from . import fill_sources
 from .arena_guard import ArenaGuard
@@ -80,8 +79,7 @@ class ArenaHolder:
         # Names this agent's arena in every manifest and "arena" reply: an engine that mapped the
         # arena while it started (`prepare(socket=...)`) uses that mapping only for the same arena.
         self.arena_id = secrets.token_hex(16)
-        self.manifest = b"[]"  # the rows as JSON columns, for engines that do not ask for them packed
-        self.packed: tuple[bytes, bytes] = (b"{}", b"")  # packed rows: what the JSON says of them, the payload
+        self.manifests: EncodedManifests | None = None  # the rows under each naming, once loaded
         self.guard = ArenaGuard(state, scrub_interval, self._on_tamper)
 
     @property
@@ -219,11 +217,7 @@ class ArenaHolder:
     def _publish(self, record: bool) -> None:
         """Digest the arena, encode the manifest once, record what a successor needs, say ready."""
         self._guard(self.cache.arena, fresh=not self.adopted)
-        # Same for every attach: encode it once (a 100k-tensor manifest is megabytes of JSON).
-        columns = self.cache.layout.to_manifest()
-        self.manifest = json.dumps(columns, separators=(",", ":")).encode()
-        packed = PackedRows.from_columns(columns)
-        self.packed = json.dumps(packed.header(), separators=(",", ":")).encode(), bytes(packed.data)
+        self.manifests = EncodedManifests(self.cache.layout)
         if self.book.sorted():  # engines that rejoined during the load hold the arena too
             self.book.persist_or_warn("the engines that rejoined")
         if record:

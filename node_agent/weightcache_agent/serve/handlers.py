@@ -30,6 +30,7 @@ from typing import Any
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
+from ..load.layout import NAMINGS
 from ..load.fingerprint import RevisionRequired, differences
 from ..spec import CacheSpec
 from .arena_holder import ArenaHolder
@@ -115,6 +116,9 @@ class Handlers:
         check_lease_terms("attach", role, group)
         if not isinstance(request, dict) or not isinstance(request.get("spec"), dict):
             raise ProtocolError(f"attach needs request, an object with a spec; got {type(request).__name__}")
+        names = message.get("names", "checkpoint")
+        if names not in NAMINGS:
+            raise ProtocolError(f"attach's names must be one of {', '.join(NAMINGS)}, got {str(names)[:40]!r}")
         identity = self._identify(req, group)
         if identity is None or not self._wait_for_load(req):
             return None
@@ -143,11 +147,11 @@ class Handlers:
             "rejoin_token": token,  # the proof this engine offers a restarted agent; recorded only as a hash
         }
         try:
+            columns, (header, payload) = self.holder.manifests.get(names)
             if message.get("manifest") == "packed":
-                header, payload = self.holder.packed
                 lease.send(reply, [cache.arena.fd], encoded={"tensors": header}, payload=payload)
             else:
-                lease.send(reply, [cache.arena.fd], encoded={"tensors": self.holder.manifest})
+                lease.send(reply, [cache.arena.fd], encoded={"tensors": columns})
         except BaseException:
             self.promotion.end_lease(lease)
             raise
