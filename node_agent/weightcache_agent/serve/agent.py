@@ -38,6 +38,7 @@ from .handlers import Handlers
 from .integrity import SCRUB_INTERVAL
 from .lease import Lease
 from .lease_book import LeaseBook
+from .phase import Phase
 from .pod_identity import PodVerifier
 from .promotion import Promotion
 from .rank_group import RankGroup
@@ -158,7 +159,8 @@ class Agent:
     # Read-only views of the parts, for tests and tools that look inside a running agent.
 
     @property
-    def phase(self) -> str:
+    def phase(self) -> Phase:
+        """Compares equal to its name as a string ("ready")."""
         return self.holder.phase
 
     @property

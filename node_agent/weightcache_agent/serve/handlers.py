@@ -26,7 +26,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .. import protocol
 from ..errors import ProtocolError, WeightCacheError
@@ -68,7 +68,7 @@ class Handlers:
             "group_lost": Route(self.handle_group_request, After.DONE, timed=False),
         }
 
-    def lease_messages(self) -> dict[str, Any]:
+    def lease_messages(self) -> dict[str, Callable[[Lease], bool]]:
         """Messages on a lease, by type: each says whether the lease goes on."""
         return {"detach": lambda lease: False, "promoted": self.handle_promoted}
 
