@@ -50,7 +50,7 @@ def test_agent_help_names_the_api_server_variables_the_agent_reads():
 
 # -- a refused attach names what the agent holds ----------------------------------------------
 
-def test_a_fingerprint_mismatch_names_the_agents_model_path_revision_layout_quantization_and_tp(tmp_path):
+def test_a_fingerprint_mismatch_names_the_agents_model_path_revision_quantization_and_tp(tmp_path):
     shape = LlamaShape(num_hidden_layers=1)
     held = write_llama_checkpoint(str(tmp_path / "served" / "tiny-llama"), shape, seed=1)
     other = str(shutil.copytree(held, tmp_path / "mine" / "tiny-llama"))
@@ -65,7 +65,7 @@ def test_a_fingerprint_mismatch_names_the_agents_model_path_revision_layout_quan
     assert set(refused.value.differences) == {"content", "revision", "dtype"}
     for field in ("revision: cache=v1 engine=v2", "dtype: cache=bfloat16 engine=float16", "content: cache="):
         assert field in message, message
-    assert f"the agent holds {held}: revision v1, layout file, quantization none, dtype bfloat16, tp 1, rank 0" \
+    assert f"the agent holds {held}: revision v1, quantization none, dtype bfloat16, tp 1, rank 0" \
         in message, message
     assert "\n" not in message
 

@@ -4,13 +4,15 @@ vLLM lives in its own virtual environment (it pins its own torch and transformer
 `$WEIGHTCACHE_VLLM_PYTHON` names its python, with vLLM and weightcache installed there
 (`tests/vllm_venv.sh` makes one; `.ci/run` does). Without it these tests skip, except in CI.
 
-Real agents (cpu backend, `--layout vllm`) serve tiny random Llama and Qwen2 checkpoints
+Real agents (cpu backend, default flags) serve tiny random Llama and Qwen2 checkpoints
 (tied embeddings and q/k/v biases) with a word-level tokenizer; vLLM runs them from its
 default loader and from the cache, and the greedy tokens must be the same:
 - in-process engine: Llama bf16 and Qwen2 fp32, a mismatching agent (fallback: one
   WARNING, served from disk), no agent with fallback off (one ERROR line naming the reason);
 - vLLM's multi-process engine with TP=2 (gloo): Qwen2 fp32, each worker on its own rank's agent;
-- the README's commands as written (an agent, vLLM's OpenAI server): `/v1/completions`.
+- the README's commands as written (an agent, vLLM's OpenAI server): `/v1/completions`; then, while
+  vLLM still serves, the README's reference engines and a transformers model attach to the same
+  agent: three kinds of engine on one arena, each all views.
 """
 from __future__ import annotations
 
@@ -25,7 +27,6 @@ from pathlib import Path
 
 import pytest
 
-from weightcache_agent.load.progress import size_text
 from weightcache_agent.testing.agent_process import AgentProcess
 from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_llama_checkpoint, write_word_tokenizer
 
@@ -84,16 +85,13 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def agents(models, tmp_path_factory):
-    """Agents with vLLM's layout: Llama bf16, Qwen2 fp32, and Qwen2 fp32 at TP=2 (one per rank); and Llama
-    bf16 in the checkpoint's own layout (started without --layout vllm)."""
+    """Agents with default flags: Llama bf16, Qwen2 fp32, and Qwen2 fp32 at TP=2 (one per rank)."""
     sockets = tmp_path_factory.mktemp("vllm-sockets")
-    vllm_layout = ["--layout", "vllm"]
     specs = {
-        "llama": (models["llama"], vllm_layout),
-        "llama-file-layout": (models["llama"], []),
-        "qwen2-fp32": (models["qwen2"], ["--dtype", "float32", *vllm_layout]),
-        **{f"qwen2-fp32-r{r}": (models["qwen2"], ["--dtype", "float32", "--tp-size", "2", "--tp-rank", str(r),
-                                                  *vllm_layout]) for r in (0, 1)},
+        "llama": (models["llama"], []),
+        "qwen2-fp32": (models["qwen2"], ["--dtype", "float32"]),
+        **{f"qwen2-fp32-r{r}": (models["qwen2"], ["--dtype", "float32", "--tp-size", "2", "--tp-rank", str(r)])
+           for r in (0, 1)},
     }
     procs = {name: AgentProcess(model, str(sockets / f"{name}.sock"), *extra) for name, (model, extra) in specs.items()}
     try:
@@ -115,9 +113,6 @@ def in_process(models, agents, tmp_path_factory):
         "qwen2 fp32 default": dict(model=models["qwen2"], dtype="float32"),
         "qwen2 fp32 cache": dict(model=models["qwen2"], dtype="float32", load_format="weightcache",
                                  extra={"socket": agents["qwen2-fp32"]}),
-        # an agent started without --layout vllm: views, the fused parameters copied
-        "llama file layout": dict(model=models["llama"], load_format="weightcache",
-                                  extra={"socket": agents["llama-file-layout"], "fallback": False}),
         # an agent holding another model: a fingerprint mismatch, served from disk with fallback (the default)
         "llama mismatch": dict(model=models["llama"], load_format="weightcache",
                                extra={"socket": agents["qwen2-fp32"]}),
@@ -138,27 +133,9 @@ def test_the_cache_serves_the_same_greedy_tokens_as_vllms_loader(in_process, mod
 def test_every_parameter_byte_is_an_arena_view_after_post_load_processing(in_process):
     _, log, _ = in_process
     lines = attached_lines(log)
-    lines = [line for line in lines if line[4] == "0 B"]  # less the file-layout agent's (its own test)
     assert [(name, rank, size) for name, rank, size, _, _ in lines] == [("llama", 0, 1), ("qwen2", 0, 1)]
     for _, _, _, views, copies in lines:
         assert copies == "0 B" and not views.startswith("0 "), lines
-
-
-def test_an_agent_without_vllms_layout_serves_views_and_copies_only_the_fused_parameters(in_process, models):
-    results, log, _ = in_process
-    assert results["llama file layout"]["tokens"] == results["llama default"]["tokens"]
-    warnings = [line for line in log.splitlines() if "holds the checkpoint's layout" in line]
-    assert len(warnings) == 1 and "WARNING" in warnings[0] and "--layout vllm" in warnings[0], warnings
-    assert "qkv_proj" in warnings[0] and "gate_up_proj" in warnings[0]
-    # one attach per run from an agent: the file-layout one copies, the vLLM-layout ones do not
-    copies = [copied for _, _, _, _, copied in attached_lines(log)]
-    assert copies.count("0 B") == 2 and len(copies) == 3, copies
-    # the fused parameters only: q|k|v and gate|up of 2 layers of the test Llama; the rest are views
-    shape = LlamaShape()
-    kv = shape.num_key_value_heads * shape.hidden_size // shape.num_attention_heads
-    fused = shape.num_hidden_layers * shape.hidden_size * (shape.hidden_size + 2 * kv + 2 * shape.intermediate_size) * 2
-    assert f"{size_text(fused)} of fused parameters copied" in warnings[0], (fused, warnings)
-    assert not any("cache miss" in line and models["llama"] in line and "file" in line for line in log.splitlines())
 
 
 def test_a_mismatching_agent_falls_back_to_disk_with_one_warning(in_process):
@@ -190,14 +167,22 @@ GPU_SERVER = "vllm serve $MODEL --gpu-memory-utilization 0.5"
 CPU_SERVER = "VLLM_CPU_KVCACHE_SPACE=1 python -m vllm.entrypoints.openai.api_server --model $MODEL --enforce-eager"
 
 
+def readme_section_block(heading: str) -> tuple[str, str]:
+    """(the README section under `heading`, its first bash block)."""
+    section = (ROOT / "README.md").read_text().split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    return section, section.split("```bash\n", 1)[1].split("```", 1)[0]
+
+
 def readme_vllm_script(socket_path: str) -> str:
     """The README's 'Serving with vLLM' commands as written, in vLLM's CPU build's form (the line the
-    README gives for it, in place of `vllm serve`), the socket path swapped for the test's."""
-    section = (ROOT / "README.md").read_text().split("## Serving with vLLM", 1)[1].split("\n## ", 1)[0]
-    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    README gives for it, in place of `vllm serve`), then its reference engine's, in the order written,
+    the socket path swapped for the test's."""
+    section, block = readme_section_block("Serving with vLLM")
     assert block.count(f"\n{GPU_SERVER} ") == 1 and "python -m vllm" not in block, block
     assert f"the third line starts `{CPU_SERVER} \\`" in section, "the README names the CPU build's command"
-    return block.replace(f"\n{GPU_SERVER} ", f"\n{CPU_SERVER} ").replace("/run/weightcache/llama.sock", socket_path)
+    _, engines = readme_section_block("The reference engine: `weightcache engine`")
+    script = block.replace(f"\n{GPU_SERVER} ", f"\n{CPU_SERVER} ") + 'echo; echo "MODEL=$MODEL"\n' + engines
+    return script.replace("/run/weightcache/llama.sock", socket_path)
 
 
 def test_the_cpu_builds_vllm_command_fails_as_the_readme_says():
@@ -209,10 +194,17 @@ def test_the_cpu_builds_vllm_command_fails_as_the_readme_says():
     assert done.returncode != 0 and "No package metadata was found for vllm" in done.stderr, done.stderr[-2000:]
 
 
-def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(tmp_path):
-    script = readme_vllm_script(str(tmp_path / "llama.sock"))
-    with socket.socket() as s:  # the README's server listens on vLLM's default port
-        assert s.connect_ex(("127.0.0.1", 8000)) != 0, "port 8000 is taken: the README's vLLM server needs it"
+def test_the_readme_vllm_commands_serve_and_one_agent_serves_vllm_the_reference_engine_and_transformers(tmp_path):
+    """The README's vLLM section, then its reference-engine section, as written, in one shell: vLLM
+    answers an OpenAI completion; while it still serves, a primary and a standby reference engine
+    attach to the same agent, the primary is killed and the standby answers the same tokens. Then
+    a transformers model attaches too: three kinds of engine at once on one arena, all views, and
+    each one's tokens or logits equal its own load from disk."""
+    sock = str(tmp_path / "llama.sock")
+    script = readme_vllm_script(sock)
+    with socket.socket() as s:  # the README's servers listen on fixed ports
+        for port in (8000, 8001, 8002):
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken: the README's servers need it"
     log_path = tmp_path / "out.log"
     # `python` and `weightcache` are the vLLM environment's; the demo's checkpoint goes under the test's cache
     env = vllm_env(PATH=f"{os.path.dirname(VLLM_PYTHON)}:{os.environ['PATH']}", XDG_CACHE_HOME=str(tmp_path / "cache"))
@@ -230,8 +222,56 @@ def test_the_readme_vllm_commands_serve_openai_completions_from_the_cache(tmp_pa
         assert len(words) == 8 and all(re.fullmatch(r"w\d+", w) for w in words), answer
         lines = attached_lines(out)
         assert [(name, rank, size, copies) for name, rank, size, _, copies in lines] == [("llama-small", 0, 1, "0 B")]
+
+        # the reference engines: the primary's tokens, and the promoted standby's, the same
+        generated = [json.loads(line) for line in out.splitlines() if line.startswith('{"tokens":')]
+        assert len(generated) == 2 and generated[0]["tokens"] == generated[1]["tokens"], generated
+        assert len(generated[0]["tokens"]) == 8 and {g["role"] for g in generated} == {"primary"}
+        model = re.search(r"^MODEL=(\S+)$", out, re.MULTILINE)[1]
+        assert generated[0]["tokens"] == disk_tokens(model, [1, 450, 4996], 8)
+
+        # transformers beside them: three engines' leases on the agent's one arena at once
+        from weightcache_agent import agent_status
+        from weightcache_agent.integrations.transformers import from_cache
+
+        hf = from_cache(model, socket=sock)
+        try:
+            status = agent_status(sock)
+            assert len(status["clients"]) == 3, status["clients"]  # vLLM, the promoted standby, transformers
+            assert status["arena_bytes"] >= status["bytes"] == hf.weightcache.attachment.bytes
+            assert hf.weightcache.attachment.source == "agent"
+            assert_transformers_matches_disk(hf, model)
+        finally:
+            hf.weightcache.close()
     finally:
-        stop_session(shell.pid)  # the agent and vLLM's server, started in the background
+        stop_session(shell.pid)  # the agent, vLLM's server and the engine, started in the background
+
+
+def disk_tokens(model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """The reference engine's greedy tokens from its own load of the checkpoint from disk."""
+    import torch
+
+    from weightcache_agent import CacheSpec, attach
+    from weightcache_agent.engine.model import CausalLM, ModelConfig
+
+    with torch.device("meta"):
+        engine = CausalLM(ModelConfig.from_pretrained(model)).eval()
+    attach(engine, CacheSpec(model=model), mode="off")
+    engine.prepare()
+    return engine.generate(prompt, max_tokens=max_tokens)
+
+
+def assert_transformers_matches_disk(hf, model: str) -> None:
+    """Every parameter a view of the arena (nothing copied), logits equal to `from_pretrained`'s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    storages = {p.untyped_storage().data_ptr() for p in hf.parameters()}
+    assert len(storages) == 1, "a parameter is not a view of the one arena"
+    reference = AutoModelForCausalLM.from_pretrained(model, dtype=hf.dtype).eval()
+    ids = torch.tensor([[1, 450, 4996, 7]])
+    with torch.no_grad():
+        assert torch.equal(hf(ids).logits, reference(ids).logits)
 
 
 def stop_session(sid: int, grace: float = 30.0) -> None:
