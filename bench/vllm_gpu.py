@@ -1,7 +1,7 @@
 """vLLM's OpenAI server on a GPU with `--load-format weightcache`: tokens, start-up, a sleeping
 standby, failover and a planned switchover, all measured from outside.
 
-One agent (`weightcache agent --layout vllm`, the cuda backend) holds a synthetic Llama
+One agent (`weightcache agent`, the cuda backend) holds a synthetic Llama
 (bf16, >= 8 GiB, a word-level tokenizer so the OpenAI server runs). Every engine is a fresh
 `python3 -m vllm.entrypoints.openai.api_server` process in its own session, timed from the
 parent's clock:
@@ -650,7 +650,7 @@ def main() -> int:
     size = make_checkpoint(model, llama_shape(args.layers, h))
     log(f"checkpoint: {size / GIB:.2f} GiB in {time.perf_counter() - t0:.1f}s")
     sock = os.path.join(work, "agent.sock")
-    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu", "--layout", "vllm")
+    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu")
     status = agent.ready()
     log(f"agent ready: {status.get('load_seconds')} s load, {status.get('wall_seconds'):.1f} s from process start")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,

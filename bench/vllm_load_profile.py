@@ -11,7 +11,7 @@ warm) and `auto-cold` (the same after the checkpoint's pages are dropped from th
 Usage (vLLM importable): python3 bench/vllm_load_profile.py [--dir DIR] [--top 25]
     [--cases weightcache,auto,auto-cold] [--out DIR]     (bench/vllm_gpu.sh profile runs it on the H200)
 The checkpoint is bench/vllm_gpu.py's synthetic Llama in DIR (made when missing), served by an agent
-this script starts (`--layout vllm`).
+this script starts (default flags).
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def main() -> int:
         size = vllm_gpu.make_checkpoint(args.model, vllm_gpu.llama_shape(layers, hidden))
         print(f"checkpoint: {size / GIB:.2f} GiB")
     args.socket = os.path.join(args.dir, "profile.sock")
-    agent = AgentProcess(args.model, args.socket, "cuda" if vllm_gpu.CUDA else "cpu", "--layout", "vllm")
+    agent = AgentProcess(args.model, args.socket, "cuda" if vllm_gpu.CUDA else "cpu")
     agent.ready()
     try:
         return run_cases(args)

@@ -118,7 +118,7 @@ def main() -> None:
         write_word_tokenizer(model, shape.vocab_size)
         size = sum(os.path.getsize(os.path.join(model, f)) for f in os.listdir(model) if f.endswith(".safetensors"))
         socket = os.path.join(tmp, "agent.sock")
-        with AgentProcess(model, socket, "--layout", "vllm") as agent:
+        with AgentProcess(model, socket) as agent:
             counter = OpenCounter(model)
             runs: dict[str, list[dict]] = {"auto": [], "weightcache": []}
             for _ in range(args.trials):

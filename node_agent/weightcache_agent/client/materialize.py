@@ -106,26 +106,7 @@ def _bind(module: nn.Module, base: torch.Tensor, columns: dict[str, list], stric
         names = columns["name"]
     else:
         claimed_cols = None
-    in_cache = set(names)
-
-    aside: list[tuple[str, dict, str, torch.Tensor]] = []  # (name, table, leaf, tensor)
-    buffers: list[str] = []
-    if mat is not None:
-        for prefix, owner in modules.items():
-            for leaf in owner._non_persistent_buffers_set:
-                tensor = owner._buffers.get(leaf)
-                name = f"{prefix}.{leaf}" if prefix else leaf
-                if tensor is not None and tensor.is_meta and name not in in_cache:
-                    aside.append((name, owner._buffers, leaf, tensor))
-                    buffers.append(name)
-        claimed_names = claimed_cols["name"] if claimed_cols is not None else []
-        places = list(dict.fromkeys(mat.places(module, claimed_names))) if mat.places is not None else []
-        places = [name for name in places if name not in buffers]
-        for name in places:
-            owner, table, leaf = _place(modules, name)
-            aside.append((name, table, leaf, table[leaf]))
-    else:
-        places = []
+    aside, buffers, places = _set_aside(module, modules, mat, set(names), claimed_cols)
 
     casts, mismatched = _casts(modules, columns)
     if not adjust.cast_small:
@@ -176,6 +157,30 @@ def _bind(module: nn.Module, base: torch.Tensor, columns: dict[str, list], stric
         tensors[name] = current
     adjust.computed = buffers + places
     return tensors
+
+
+def _set_aside(module: nn.Module, modules: dict[str, nn.Module], mat: Materialize | None, in_cache: set[str],
+               claimed_cols: dict[str, list] | None) -> tuple[list, list[str], list[str]]:
+    """What `mat` fills instead of the bind: (aside: (name, table, leaf, tensor), the non-persistent meta
+    buffers the cache does not name, the places `mat` declares)."""
+    aside: list[tuple[str, dict, str, torch.Tensor]] = []
+    buffers: list[str] = []
+    if mat is None:
+        return aside, buffers, []
+    for prefix, owner in modules.items():
+        for leaf in owner._non_persistent_buffers_set:
+            tensor = owner._buffers.get(leaf)
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if tensor is not None and tensor.is_meta and name not in in_cache:
+                aside.append((name, owner._buffers, leaf, tensor))
+                buffers.append(name)
+    claimed_names = claimed_cols["name"] if claimed_cols is not None else []
+    places = list(dict.fromkeys(mat.places(module, claimed_names))) if mat.places is not None else []
+    places = [name for name in places if name not in buffers]
+    for name in places:
+        _, table, leaf = _place(modules, name)
+        aside.append((name, table, leaf, table[leaf]))
+    return aside, buffers, places
 
 
 def _select(columns: dict[str, list], keep: list[bool]) -> dict[str, list]:

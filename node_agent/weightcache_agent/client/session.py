@@ -303,10 +303,8 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
     cast_small: when True, 1-D tensors (biases, norms) that the model declares in another
         float dtype than the cache holds are cast (small copies; never a weight matrix).
         The attachment's `computed` and `cast` name what was filled and what was cast.
-    names: how `module` names its tensors. "checkpoint" (default): as the checkpoint does,
-        q_proj, k_proj, v_proj, gate_proj and up_proj apart (each a view of its rows in the
-        arena); "fused": as vLLM and SGLang do, each such group as one `qkv_proj` or
-        `gate_up_proj` view. One arena serves both, zero-copy.
+    names: "checkpoint" (default): `module` names q/k/v and gate/up apart, as the checkpoint
+        does; "fused": as one `qkv_proj` / `gate_up_proj` (vLLM, SGLang). Views either way.
 
     Raises `AgentUnavailable`, `FingerprintMismatch`, `AttachError`, `ProtocolError` (all
     `WeightCacheError`), `TimeoutError`, or `ValueError` for a bad `mode`, a standby without a
