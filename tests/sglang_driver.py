@@ -1,0 +1,174 @@
+"""Runs in SGLang's environment for tests/test_sglang.py: SGLang's own plugin loading, argument
+parsing, loader selection and model construction, on the CPU device, with this checkout's code.
+
+    python tests/sglang_driver.py '<json run>'    prints one line `RESULT <json>`
+
+This checkout's `node_agent` is put first on `sys.path`, and a distribution `weightcache` whose
+only metadata is pyproject.toml's `sglang.srt.plugins` entry points is put beside it: SGLang's
+`load_plugins` then finds the plugin as it finds it in an installed weightcache. Runs:
+  {"op": "parse", "argv": [...], "plugins": true}   load_plugins (unless false), then
+      prepare_server_args(argv): the load format, and the loader SGLang's get_model_loader picks
+  {"op": "load", "model": DIR, "dtype": "bfloat16", "extra": {...}, "tp": 1, "rank": 0, "port": N,
+   "compare": true}   SGLang's model for DIR through `--load-format weightcache` (distributed state
+      on gloo, TP `tp`), each parameter's bytes against SGLang's default loader's, views counted
+SGLang's CPU engine needs sgl-kernel's CPU build; without it SGLang builds its layers as for CUDA,
+whose rotary embedding takes one kernel from vLLM when CUDA is absent: a placeholder stands for it
+here, never called (no forward pass runs); with TP 2 the groups are gloo's alone (no NCCL on CPU).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import tempfile
+import tomllib
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plugin_distribution() -> str:
+    """A directory holding a `weightcache` distribution whose entry points are pyproject.toml's SGLang ones."""
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    points = project["entry-points"]["sglang.srt.plugins"]
+    site = tempfile.mkdtemp(prefix="wc-sglang-dist-")
+    info = os.path.join(site, f"weightcache-{project['version']}.dist-info")
+    os.makedirs(info)
+    with open(os.path.join(info, "METADATA"), "w") as f:
+        f.write(f"Metadata-Version: 2.1\nName: weightcache\nVersion: {project['version']}\n")
+    with open(os.path.join(info, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
+    return site
+
+
+def placeholder_kernels() -> None:
+    vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
+
+    def rotary_embedding(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("placeholder kernel: no forward pass runs in these tests")
+
+    ops.rotary_embedding = rotary_embedding
+    vllm._custom_ops = ops
+    sys.modules.setdefault("vllm", vllm)
+    sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def no_nccl() -> None:
+    """SGLang's tensor-parallel groups open NCCL communicators beside gloo's; there is no NCCL on CPU, and
+    loading needs no collective: the groups get gloo alone."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.device_communicators import pynccl
+
+    class Off:
+        disabled = True
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    pynccl.PyNcclCommunicator = Off
+    parallel_state.set_custom_all_reduce(False)
+
+
+class Lines(logging.Handler):
+    """weightcache's log lines in SGLang's processes, kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelname, record.getMessage()))
+
+
+def parse(run: dict) -> dict:
+    from sglang.srt.plugins import load_plugins
+
+    if run.get("plugins", True):
+        load_plugins()
+    from sglang.srt.server_args import prepare_server_args
+
+    try:
+        args = prepare_server_args([*run["argv"], "--device", "cpu"])  # no accelerator here
+    except SystemExit as e:
+        return {"exit": e.code}
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    out = {"load_format": str(args.load_format), "extra": args.model_loader_extra_config}
+    try:
+        loader = get_model_loader(LoadConfig(load_format=args.load_format,
+                                             model_loader_extra_config=args.model_loader_extra_config))
+        out.update(loader=f"{type(loader).__module__}.{type(loader).__qualname__}", repr=repr(loader))
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+def load(run: dict, lines: Lines) -> dict:
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import initialize_dp_attention
+    from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+    from sglang.srt.server_args import prepare_server_args, set_global_server_args_for_scheduler
+
+    tp, rank = run.get("tp", 1), run.get("rank", 0)
+    args = prepare_server_args(["--model-path", run["model"], "--dtype", run.get("dtype", "bfloat16"), "--load-format",
+                                "weightcache", "--model-loader-extra-config", json.dumps(run.get("extra", {})),
+                                "--tp-size", str(tp), "--device", "cpu"])
+    set_global_server_args_for_scheduler(args)
+    if tp > 1:
+        no_nccl()
+    init_distributed_environment(backend="gloo", world_size=tp, rank=rank, local_rank=rank,
+                                 distributed_init_method=f"tcp://127.0.0.1:{run['port']}")
+    initialize_model_parallel(tensor_model_parallel_size=tp)
+    model_config = ModelConfig.from_server_args(args)
+    initialize_dp_attention(args, model_config)
+    device = DeviceConfig("cpu", 0)
+    loader = get_model_loader(LoadConfig(load_format=args.load_format, tp_rank=rank,
+                                         model_loader_extra_config=args.model_loader_extra_config), model_config)
+    out: dict = {"loader": type(loader).__name__}
+    try:
+        model = loader.load_model(model_config=model_config, device_config=device)
+    except Exception as e:  # noqa: BLE001 -- the test reads what the engine would have died of
+        return {**out, "error": f"{type(e).__name__}: {e}", "lines": lines.lines}
+    attachment = getattr(model, "_weightcache", None)
+    params = dict(model.named_parameters())
+    out.update(source="agent" if attachment is not None else "disk", lines=lines.lines,
+               params={n: [list(p.shape), str(p.dtype)] for n, p in params.items()},
+               on_meta=[n for n, p in params.items() if p.is_meta])
+    if attachment is not None:
+        spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in attachment.tensors.values()]
+        lo, hi = min(s for s, _ in spans), max(s + n for s, n in spans)
+        out["copies"] = [n for n, p in params.items() if not lo <= p.data_ptr() < hi]
+        out["read_only_views"] = all(not p.untyped_storage().nbytes() or lo <= p.data_ptr() < hi
+                                     for p in params.values())
+    if run.get("compare"):
+        reference = DefaultModelLoader(LoadConfig(load_format="auto", tp_rank=rank)).load_model(
+            model_config=model_config, device_config=device)
+        ref = dict(reference.named_parameters())
+        out["same_names"] = sorted(ref) == sorted(params)
+        out["different"] = [n for n in ref if n in params and not (ref[n].shape == params[n].shape and
+                                                                  bool((ref[n] == params[n]).all()))]
+    return out
+
+
+def main() -> None:
+    run = json.loads(sys.argv[1])
+    sys.path[:0] = [os.path.join(ROOT, "node_agent"), plugin_distribution()]
+    placeholder_kernels()
+    lines = Lines()
+    logging.getLogger("sglang.srt.model_loader.weightcache").addHandler(lines)
+    result = parse(run) if run["op"] == "parse" else load(run, lines)
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # SGLang's process groups and threads: nothing to tear down for a test
+
+
+if __name__ == "__main__":
+    main()
