@@ -14,7 +14,7 @@ python3 -m weightcache_agent.cli build-native > "$OUT/build_native.log" 2>&1 || 
 python3 -c "import setuptools; from weightcache_agent.client.rebind import _bindfast, _torch_rows; from weightcache_agent.load.fp8 import _fp8cpu; print('setuptools', setuptools.__version__, '| C bind:', 'built' if _bindfast else 'NOT built', '| C quantizer:', 'built' if _fp8cpu else 'NOT built', '| row binder:', 'built' if _torch_rows else 'NOT built')" | tee -a "$OUT/gpu.txt"
 python3 bench/attach_profile.py cuda > "$OUT/attach_profile.log" 2>&1; head -2 "$OUT/attach_profile.log"
 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_backend.py tests/test_prepare.py tests/test_transformers.py \
-  tests/test_tp_cuda.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_native_build.py \
+  tests/test_tp_cuda.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_native_build.py tests/test_one_arena.py \
   tests/test_readonly_weights.py tests/test_security_digest_cuda.py tests/test_first_day.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"

@@ -72,22 +72,21 @@ class PackedRows:
 
 
 class EncodedManifests:
-    """A layout's manifest under each naming, encoded once (a 100k-tensor manifest is megabytes
-    of JSON): `get(names)` gives the JSON columns and the packed rows (header, payload)."""
+    """A layout's manifest under each naming, encoded once when the arena is ready (a 100k-tensor
+    manifest is megabytes of JSON, and no attach should pay for it): `get(names)` gives the JSON
+    columns and the packed rows (header, payload)."""
 
-    def __init__(self, layout: Any):
-        self._layout = layout
-        self._encoded: dict[str, tuple[bytes, tuple[bytes, bytes]]] = {}
+    def __init__(self, layout: Any, namings: Iterable[str]):
+        self._encoded = {names: self._encode(layout.to_manifest(names)) for names in namings}
+
+    @staticmethod
+    def _encode(columns: dict[str, list]) -> tuple[bytes, tuple[bytes, bytes]]:
+        packed = PackedRows.from_columns(columns)
+        return (json.dumps(columns, separators=(",", ":")).encode(),
+                (json.dumps(packed.header(), separators=(",", ":")).encode(), bytes(packed.data)))
 
     def get(self, names: str) -> tuple[bytes, tuple[bytes, bytes]]:
-        found = self._encoded.get(names)
-        if found is None:  # two attaches may both encode it: the same bytes, kept once
-            columns = self._layout.to_manifest(names)
-            packed = PackedRows.from_columns(columns)
-            found = self._encoded[names] = (json.dumps(columns, separators=(",", ":")).encode(),
-                                            (json.dumps(packed.header(), separators=(",", ":")).encode(),
-                                             bytes(packed.data)))
-        return found
+        return self._encoded[names]
 
 
 def columns_of(rows: dict[str, list] | PackedRows) -> dict[str, list]:

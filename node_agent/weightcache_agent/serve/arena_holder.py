@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..arena.devices import Device
 from ..errors import WeightCacheError
+from ..load.layout import NAMINGS
 from ..load.prefetch import Prefetch, lead_for, shard_paths
 from ..load.progress import LoadProgress
 from ..logs import Phases
@@ -217,7 +218,7 @@ class ArenaHolder:
     def _publish(self, record: bool) -> None:
         """Digest the arena, encode the manifest once, record what a successor needs, say ready."""
         self._guard(self.cache.arena, fresh=not self.adopted)
-        self.manifests = EncodedManifests(self.cache.layout)
+        self.manifests = EncodedManifests(self.cache.layout, NAMINGS)
         if self.book.sorted():  # engines that rejoined during the load hold the arena too
             self.book.persist_or_warn("the engines that rejoined")
         if record:
