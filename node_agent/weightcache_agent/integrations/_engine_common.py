@@ -78,11 +78,13 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def prepare_in_background(socket: str | None, rank: int, log: logging.Logger) -> threading.Thread:
-    """Start warming the attach path and mapping the agent's arena; join the thread before attaching."""
+    """Start warming the attach path and mapping the agent's arena; join the thread before attaching.
+    The device is this thread's current one (the rank's GPU), taken here: a new thread's is GPU 0."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
     def run() -> None:
         try:
-            prepare(socket=socket, rank=rank)
+            prepare(device=device, socket=socket, rank=rank)
         except Exception as e:  # noqa: BLE001 -- only a head start: the attach does the same work and reports
             log.debug("weightcache: preparing the attach path failed (%s); the attach does it", e)
 

@@ -107,7 +107,9 @@ class WeightcacheModelLoader(BaseModelLoader):
         with set_default_torch_dtype(model_config.dtype):
             post_process(model)
         model._weightcache = self.attachment  # the lease lives as long as the model
-        sglang_standby.watch(self.attachment, device)
+        # the lease's thread maps the KV cache back on promotion: on this rank's GPU, not its thread's default
+        on = torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+        sglang_standby.watch(self.attachment, on)
         views, copies = view_bytes(model, self.attachment)
         done = time.perf_counter()
         # where the time went: SGLang building the model (parameters on meta), the wait for the attach path's
