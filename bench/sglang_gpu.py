@@ -391,8 +391,15 @@ def mixed_phase(model: str, work: str, sock: str, kv: int, vllm_site: str) -> tu
         raise SystemExit(f"--vllm-site {vllm_site}: no vllm there (bench/vllm_gpu.sh receive + run unpacks it)")
     base = settled_gpu_used()
     checkout = os.path.dirname(HERE)
-    vllm_env = dict(os.environ, PYTHONPATH=f"{checkout}/node_agent:{vllm_site}", VLLM_USE_FLASHINFER_SAMPLER="0",
-                    HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    # weightcache's vLLM entry point, as an installed weightcache would declare it (vLLM's tree may not hold one)
+    plugin = os.path.join(work, "vllm-plugin", "weightcache-0.1.0.dist-info")
+    os.makedirs(plugin, exist_ok=True)
+    with open(os.path.join(plugin, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: weightcache\nVersion: 0.1.0\n")
+    with open(os.path.join(plugin, "entry_points.txt"), "w") as f:
+        f.write("[vllm.general_plugins]\nweightcache = weightcache_agent.integrations.vllm:register\n")
+    vllm_env = dict(os.environ, PYTHONPATH=f"{checkout}/node_agent:{os.path.dirname(plugin)}:{vllm_site}",
+                    VLLM_USE_FLASHINFER_SAMPLER="0", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
     port = free_port()
     vllm_log = os.path.join(work, "mixed-vllm.log")
     with open(vllm_log, "w") as logf:

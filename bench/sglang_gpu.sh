@@ -60,6 +60,11 @@ install() {
       || { echo "pip install of the checkout failed (install.log)"; exit 1; }
   fi
   python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
+  # the mixed phase's vLLM: its parts, where bench/vllm_gpu.sh receive left them, unpacked as that script does
+  local vparts=${WEIGHTCACHE_VLLM_PARTS:-/root/vllm-gpu-parts} vsite=${WEIGHTCACHE_VLLM_SITE:-/tmp/vllm-site}
+  if ls "$vparts"/vllm-site.tar.xz.part-* >/dev/null 2>&1 && [ ! -e "$vsite/vllm/__init__.py" ]; then
+    mkdir -p "$vsite" && cat "$vparts"/vllm-site.tar.xz.part-* | xz -dc -T0 | tar -C "$vsite" -xf -
+  fi
 }
 
 check() {
