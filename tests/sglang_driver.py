@@ -11,6 +11,9 @@ only metadata is pyproject.toml's `sglang.srt.plugins` entry points is put besid
   {"op": "load", "model": DIR, "dtype": "bfloat16", "extra": {...}, "tp": 1, "rank": 0, "port": N,
    "compare": true}   SGLang's model for DIR through `--load-format weightcache` (distributed state
       on gloo, TP `tp`), each parameter's bytes against SGLang's default loader's, views counted
+  {"op": "standby", "role": ..., "group": ..., ...}   a load as that role of that group; a standby's
+      KV cache release and promotion driven through a stand-in for SGLang's scheduler (its handlers
+      need a GPU's memory saver), the promotion by the real agent
 SGLang's CPU engine needs sgl-kernel's CPU build; without it SGLang builds its layers as for CUDA,
 whose rotary embedding takes one kernel from vLLM when CUDA is absent: a placeholder stands for it
 here, never called (no forward pass runs); with TP 2 the groups are gloo's alone (no NCCL on CPU).
@@ -159,13 +162,70 @@ def load(run: dict, lines: Lines) -> dict:
     return out
 
 
+class StandInScheduler:
+    """What `sglang_standby` calls on SGLang's scheduler, recorded: its release and resume handlers (a KV cache
+    of 1 GiB, idle). SGLang's scheduler needs a GPU's memory saver to run them for real (bench/sglang_gpu.py)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[str], float]] = []
+        scheduler = self
+
+        class Adapter:
+            enabled = True
+
+        class Updater:
+            memory_saver_adapter = Adapter()
+
+            def release_memory_occupation(self, req: object) -> None:
+                scheduler.calls.append(("release", list(req.tags), __import__("time").monotonic()))
+
+            def resume_memory_occupation(self, req: object) -> None:
+                scheduler.calls.append(("resume", list(req.tags), __import__("time").monotonic()))
+
+        class Pool:
+            def get_kvcache(self) -> object:
+                return types.SimpleNamespace(mem_usage=1.0)
+
+        self.weight_updater, self.token_to_kv_pool_allocator = Updater(), Pool()
+
+    def is_fully_idle(self) -> bool:
+        return True
+
+
+def standby(run: dict, lines: Lines) -> dict:
+    """Loaded as `run["role"]` of group `run["group"]`; a primary holds its lease until killed, a standby
+    releases at an idle turn and waits (30 s at most) for the agent to promote it."""
+    import time
+
+    from weightcache_agent.integrations import sglang_standby
+
+    os.environ.update(WEIGHTCACHE_ROLE=run["role"], WEIGHTCACHE_GROUP=run["group"])
+    loaded = load(run, lines)
+    print("LOADED " + json.dumps(loaded), flush=True)
+    if run["role"] == "primary":
+        time.sleep(600)
+    scheduler = StandInScheduler()
+    attachment = sglang_standby._standby.attachment
+    sglang_standby._standby.idle(scheduler)
+    sglang_standby._standby.idle(scheduler)  # released already: nothing more
+    print("IDLE", flush=True)
+    deadline = time.monotonic() + 30
+    while attachment.role != "primary" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    promoted_at = time.monotonic()
+    time.sleep(0.5)
+    sglang_standby._standby.idle(scheduler)  # a primary now: keeps its KV cache
+    return {"role": attachment.role, "calls": [[name, tags, at - promoted_at] for name, tags, at in scheduler.calls],
+            "released": sglang_standby._standby.released, "lines": lines.lines}
+
+
 def main() -> None:
     run = json.loads(sys.argv[1])
     sys.path[:0] = [os.path.join(ROOT, "node_agent"), plugin_distribution()]
     placeholder_kernels()
     lines = Lines()
     logging.getLogger("sglang.srt.model_loader.weightcache").addHandler(lines)
-    result = parse(run) if run["op"] == "parse" else load(run, lines)
+    result = {"parse": parse, "load": lambda r: load(r, lines), "standby": lambda r: standby(r, lines)}[run["op"]](run)
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # SGLang's process groups and threads: nothing to tear down for a test
 

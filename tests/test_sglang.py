@@ -209,3 +209,32 @@ def test_no_agent_without_fallback_fails_with_one_line_naming_the_socket(models,
     assert missing in found["error"] and "(fallback is off)" in found["error"]
     errors = [m for level, m in found["lines"] if level == "ERROR"]
     assert len(errors) == 1 and missing in errors[0]
+
+
+def test_a_standby_releases_its_kv_cache_when_idle_and_gets_it_back_when_promoted(models, agents):
+    base = {"op": "standby", "model": models["llama"], "group": "g", "extra": {"socket": agents["llama"]}}
+    primary = subprocess.Popen([SGLANG_PYTHON, DRIVER, json.dumps({**base, "role": "primary", "port": free_port()})],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=sglang_env())
+    standby = None
+    try:
+        loaded = next(line for line in primary.stdout if line.startswith("LOADED "))
+        assert json.loads(loaded[len("LOADED "):])["source"] == "agent"
+        standby = subprocess.Popen([SGLANG_PYTHON, DRIVER, json.dumps({**base, "role": "standby", "port": free_port()})],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sglang_env())
+        next(line for line in standby.stdout if line.startswith("IDLE"))
+        primary.kill()  # the agent promotes the standby at once
+        stdout, stderr = standby.communicate(timeout=120)
+    finally:
+        primary.kill()
+        primary.wait()
+        if standby is not None and standby.poll() is None:
+            standby.kill()
+    (result,) = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert result["role"] == "primary", stderr[-3000:]
+    # released once while a standby; mapped back once, before the lease's role was seen as primary here
+    # (the callback runs before the agent is told, which is before anyone routes here); never released again
+    assert [(name, tags) for name, tags, _ in result["calls"]] == [("release", ["kv_cache"]), ("resume", ["kv_cache"])]
+    assert result["calls"][1][2] <= 0.05 and not result["released"]
+    messages = [m for _, m in result["lines"]]
+    assert any("standby: released its KV cache (1.00 GiB) until promoted" in m for m in messages), messages
+    assert any("promoted to primary: KV cache back (1.00 GiB)" in m for m in messages), messages
