@@ -73,7 +73,7 @@ def example(name: str) -> str:
 
 def test_every_example_and_the_readme_quick_start_have_a_test_here() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.yaml")) == [
-        "engineset-chat.yaml", "engineset-vllm.yaml", "llama-70b-tp8-fp8.yaml", "model-pvc.yaml", "qwen-pvc-tp2.yaml"]
+        "engineset-chat.yaml", "engineset-sglang.yaml", "engineset-vllm.yaml", "llama-70b-tp8-fp8.yaml", "model-pvc.yaml", "qwen-pvc-tp2.yaml"]
     # The README's Kubernetes quick start applies what the serving test below applies, in that order.
     applied = re.findall(r"^kubectl apply -f (\S+)", (REPO / "README.md").read_text(), re.MULTILINE)
     assert applied == ["examples/qwen-pvc-tp2.yaml", "examples/engineset-chat.yaml"]
@@ -110,12 +110,37 @@ def test_llama_70b_is_accepted_and_rendered(k8s_chart: Lab, tmp_path: Path) -> N
                      timeout=30, what="llama-70b gone")
 
 
+def test_sglang_engineset_is_accepted_and_rendered(k8s_chart: Lab, tmp_path: Path) -> None:
+    """examples/engineset-sglang.yaml as shipped, applied with kubectl: the API server admits both
+    objects (CRD schema, CEL rules, the admission policy on engine pods), the operator renders the
+    cache's agents and takes the EngineSet without a spec error. SGLang's server itself needs a GPU
+    (docs/sglang.md says what runs where); it serves on the H200 in bench/sglang_gpu.py."""
+    lab = k8s_chart
+    with operator(lab, tmp_path):
+        lab.kubectl("apply", "-f", str(EXAMPLES / "engineset-sglang.yaml"))
+        try:
+            ds = wait_for(lambda: lab.api.get_or_none(f"/apis/apps/v1/namespaces/{NS}/daemonsets/qwen-7b-sglang-agent"),
+                          timeout=60, what="the qwen-7b-sglang agent DaemonSet")
+            args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
+            assert "--layout" not in args and args[args.index("--dtype") + 1] == "bfloat16"
+            es = wait_for(lambda: (lambda o: o if (o or {}).get("status", {}).get("conditions") else None)(
+                lab.api.get_or_none(f"{WC}/namespaces/{NS}/enginesets/chat-sglang")), timeout=60,
+                what="the chat-sglang EngineSet's first status")
+            reasons = {c.get("reason") for c in es["status"]["conditions"]}
+            assert not any("Invalid" in (r or "") for r in reasons), es["status"]
+            container = es["spec"]["template"]["spec"]["containers"][0]
+            assert container["command"] == ["python3", "-m", "sglang.launch_server"]
+            assert container["args"][container["args"].index("--load-format") + 1] == "weightcache"
+        finally:
+            lab.kubectl("delete", "-f", str(EXAMPLES / "engineset-sglang.yaml"), "--wait=true")
+
+
 @pytest.mark.skipif(not VLLM_PYTHON and not os.environ.get("CI"),
                     reason="no vLLM environment ($WEIGHTCACHE_VLLM_PYTHON; tests/vllm_venv.sh makes one)")
 @pytest.mark.timeout(1500)  # four vLLM engines starting at once: ~4 min alone on two cores, far more beside other workers
 def test_vllm_engineset_serves_and_fails_over_as_shipped(k8s_chart: Lab) -> None:
     """examples/engineset-vllm.yaml as shipped, vLLM's CPU build in its pods (what differs from a GPU
-    node: bench/vllm_failover_k8s.py): its agents run with vLLM's layout; two groups of a vLLM
+    node: bench/vllm_failover_k8s.py): its agents run with default flags; two groups of a vLLM
     primary and a standby reach serving, none restarted; each standby has given its KV cache back
     (its worker's anonymous memory at least 90% of the KV cache below its primary's); an OpenAI
     client sends completions through the EndpointSlice; SIGKILL of a primary: the
