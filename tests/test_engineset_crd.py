@@ -141,7 +141,7 @@ def test_standbys_zero_and_scale_to_zero_are_valid() -> None:
 
 def test_example_is_admitted_and_parsed() -> None:
     docs = [(p, d) for p, d in example_documents() if d["kind"] == "EngineSet"]
-    assert [p.name for p, _ in docs] == ["engineset-chat.yaml", "engineset-vllm.yaml"]
+    assert [p.name for p, _ in docs] == ["engineset-chat.yaml", "engineset-sglang.yaml", "engineset-vllm.yaml"]
     caches = {d["metadata"]["name"] for _, d in example_documents() if d["kind"] == "WeightCache"}
     for path, doc in docs:
         obj, errors = admit(doc)

@@ -67,14 +67,15 @@ def stop_session(leader: int, timeout: float = 30) -> None:
 
 def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_dir):
     """The agent line of the quick start, then the reference engine's block as one script, with
-    only the model directory, the socket and the ports replaced by this machine's."""
+    only the model directory ($MODEL, as the vLLM section sets it), the socket and the ports
+    replaced by this machine's."""
     sock = os.path.join(run_dir, "llama.sock")
-    ports = dict(zip(("8000", "8001"), map(str, free_ports(2))))
+    ports = dict(zip(("8001", "8002"), map(str, free_ports(2))))
 
     def localize(text: str) -> str:
         text = text.replace("/models/llama-3-8b", model).replace("/run/weightcache/llama.sock", sock)
         text = text.replace("tiny-llama.sock", sock).replace("tiny-llama", model)  # the quick start's names
-        return re.sub(r"(?<!\d)800[01](?!\d)", lambda m: ports[m[0]], text)  # one pass: a port never re-replaced
+        return re.sub(r"(?<!\d)800[12](?!\d)", lambda m: ports[m[0]], text)  # one pass: a port never re-replaced
 
     agent_line = next(line for line in bash_blocks("Quick start")[0].splitlines()
                       if line.startswith("weightcache agent"))
@@ -83,7 +84,7 @@ def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_
     env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     if shutil.which("weightcache", path=env["PATH"]) is None:
         pytest.skip("the README's commands need the installed `weightcache` command (pip install)")
-    script = (f"{localize(agent_line)}\nuntil weightcache status --socket {shlex.quote(sock)} >/dev/null 2>&1; "
+    script = (f"MODEL={shlex.quote(model)}\n{localize(agent_line)}\nuntil weightcache status --socket {shlex.quote(sock)} >/dev/null 2>&1; "
               f"do sleep 0.2; done\n{localize(engines)}")
     with open(os.path.join(run_dir, "out"), "w+") as out_file, open(os.path.join(run_dir, "err"), "w+") as err_file:
         # files, not pipes: what the block leaves running in the background keeps its output open

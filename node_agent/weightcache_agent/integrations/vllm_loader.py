@@ -28,13 +28,9 @@ by the tensor-parallel rank; default: the environment the operator injects, see 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import threading
 import time
-from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,29 +46,17 @@ from vllm.model_executor.model_loader.utils import initialize_model, process_wei
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import set_default_torch_dtype
 
-from ..client.materialize import Materialize, Pending
 from ..client.session import Attachment, attach
-from ..client.warmup import prepare
-from ..client.env import socket_from_env
-from ..errors import AttachError, WeightCacheError
-from ..load.layout import FUSIONS
+from ..errors import WeightCacheError
 from ..load.progress import size_text as _size
 from ..protocol import agent_status
 from ..spec import CacheSpec
 from . import vllm_standby
+from ._engine_common import (MISSES, FusedCopies, NotServable, parameters_on_meta, parse_options,
+                             prepare_in_background, socket_for_rank, view_bytes)
 
 # under vLLM's own logger tree, so the lines show where vLLM's do, in its format
 log = init_logger("vllm.model_executor.model_loader.weightcache")
-_swap = torch._C._swap_tensor_impl
-OPTIONS = {"socket": str, "fallback": bool, "timeout": (int, float), "revision": str}
-
-
-class NotServable(Exception):
-    """This engine's configuration has no weightcache equivalent (the reason is the message)."""
-
-
-# What a miss looks like: anything the agent or its answer can be, and models the cache cannot serve.
-MISSES = (WeightCacheError, TimeoutError, ConnectionError, EOFError, NotServable)
 
 
 class WeightcacheModelLoader(BaseModelLoader):
@@ -80,14 +64,7 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def __init__(self, load_config: LoadConfig):
         super().__init__(load_config)
-        options = dict(load_config.model_loader_extra_config or {})
-        unknown = sorted(set(options) - set(OPTIONS))
-        if unknown:
-            raise ValueError(f"--model-loader-extra-config: unknown key(s) {', '.join(unknown)} for load format "
-                             f"weightcache (known: {', '.join(OPTIONS)})")
-        for key, value in options.items():
-            if not isinstance(value, OPTIONS[key]) or (key == "timeout" and isinstance(value, bool)):
-                raise ValueError(f"--model-loader-extra-config: {key} must be a {_kind(OPTIONS[key])}, got {value!r}")
+        options = parse_options(load_config.model_loader_extra_config)
         self.socket: str | None = options.get("socket")
         self.fallback: bool = options.get("fallback", True)
         self.timeout = float(options.get("timeout", 600.0))
@@ -105,7 +82,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             return self.attachment.bytes
         rank = get_tensor_model_parallel_rank()
         try:
-            status = agent_status(self._socket(rank))
+            status = agent_status(socket_for_rank(self.socket, rank))
         except (WeightCacheError, OSError, NotServable):
             return 0
         return int(status.get("arena_bytes") or 0)
@@ -128,15 +105,14 @@ class WeightcacheModelLoader(BaseModelLoader):
         known = set(layers)
         try:
             spec = self._spec(vllm_config, model_config, rank)
-            socket = self._socket(rank)
+            socket = socket_for_rank(self.socket, rank)
             # the attach path's once-per-process costs and the arena's mapping, while vLLM builds the model
-            preparing = threading.Thread(target=_prepare, args=(socket, rank), name="weightcache-prepare", daemon=True)
-            preparing.start()
+            preparing = prepare_in_background(socket, rank, log)
             model, device = self._build(vllm_config, model_config, prefix)
             built = time.perf_counter()
             preparing.join()
             prepared = time.perf_counter()
-            copier = _FusedCopies(model)
+            copier = FusedCopies(model)
             self.attachment = attach(model, spec, socket=socket, mode="client", fallback=False, timeout=self.timeout,
                                      materialize=copier.materialize, on_promote=vllm_standby.promoted, names="fused")
         except MISSES as e:
@@ -150,7 +126,7 @@ class WeightcacheModelLoader(BaseModelLoader):
             process_weights_after_loading(model, model_config, device)
         model._weightcache = self.attachment  # the lease lives as long as the model
         vllm_standby.watch(self.attachment)
-        views, copies = _view_bytes(model, self.attachment)
+        views, copies = view_bytes(model, self.attachment)
         done = time.perf_counter()
         # where the time went: vLLM building the model (parameters on meta), the wait for the attach path's
         # preparation beyond that, the attach itself, vLLM's post-load processing
@@ -177,15 +153,6 @@ class WeightcacheModelLoader(BaseModelLoader):
         return CacheSpec(model=model_config.model, tp_size=get_tensor_model_parallel_world_size(), tp_rank=rank,
                          dtype=dtype, revision=self.revision)
 
-    def _socket(self, rank: int) -> str:
-        """This rank's agent socket: the option's, else the environment's (the operator injects it)."""
-        if self.socket:
-            return self.socket.replace("{rank}", str(rank))
-        try:
-            return socket_from_env(rank)
-        except ValueError as e:
-            raise NotServable(f"no agent named: pass --model-loader-extra-config '{{\"socket\": PATH}}' ({e})") from None
-
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> tuple[nn.Module, torch.device]:
         device_config = vllm_config.device_config
         device = torch.device(device_config.device if self.load_config.device is None else self.load_config.device)
@@ -209,74 +176,6 @@ class WeightcacheModelLoader(BaseModelLoader):
         return dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
 
 
-@contextlib.contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Every parameter registered meanwhile moves to the meta device as it is registered, in place
-    (its class, and the attributes vLLM hangs on it, stay); buffers stay where they are made."""
-    original = nn.Module.register_parameter
-
-    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        original(module, name, param)
-        if param is not None and not param.is_meta:
-            _swap(param, torch.empty_like(param, device="meta"))
-
-    nn.Module.register_parameter = register_parameter
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = original
-
-
-class _FusedCopies:
-    """Fused parameters whose parts the cache serves apart are assembled by copying, and named.
-
-    The cache's layout fuses what `FUSIONS` knows; a model may fuse more (its
-    `packed_modules_mapping`), or a group may be incomplete in the cache: those parts are
-    claimed from the bind and concatenated into the model's fused parameter."""
-
-    def __init__(self, model: nn.Module):
-        self.copied: list[str] = []
-        fusions = {f.fused: f.parts for f in FUSIONS}
-        fusions.update({k: tuple(v) for k, v in (getattr(model, "packed_modules_mapping", None) or {}).items()})
-        self.part_of = {part: fused for fused, parts in fusions.items() for part in parts}
-        self.fusions = fusions
-        self.declared = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-        self.materialize = Materialize(fill=self._fill, claim=self._claim, places=self._places)
-
-    def _place(self, name: str) -> str | None:
-        """The model's fused parameter that cache tensor `name` is a part of, if it declares one."""
-        module_name, _, leaf = name.rpartition(".")
-        prefix, _, part = module_name.rpartition(".")
-        fused = self.part_of.get(part)
-        place = f"{prefix}.{fused}.{leaf}" if fused else None
-        return place if place in self.declared else None
-
-    def _claim(self, name: str) -> bool:
-        return self._place(name) is not None
-
-    def _places(self, model: nn.Module, claimed: list[str]) -> list[str]:
-        return [self._place(name) for name in claimed]
-
-    def _fill(self, model: nn.Module, pending: Pending) -> None:
-        for place in pending.places:
-            module_name, _, leaf = place.rpartition(".")
-            prefix, _, fused = module_name.rpartition(".")
-            names = [f"{prefix}.{part}.{leaf}" for part in self.fusions[fused]]
-            missing = [n for n in names if n not in pending.claimed]
-            if missing:
-                raise AttachError(f"cannot attach: {place}: the cache holds no {', '.join(missing)} to assemble it from")
-            current = model.get_submodule(module_name)._parameters[leaf]
-            _swap(current, torch.cat([pending.claimed[n] for n in names]).to(pending.device))
-            self.copied.append(place)
-
-
-def _prepare(socket: str | None, rank: int) -> None:
-    try:
-        prepare(socket=socket, rank=rank)
-    except Exception as e:  # noqa: BLE001 -- only a head start: the attach does the same work and reports
-        log.debug("weightcache: preparing the attach path failed (%s); the attach does it", e)
-
-
 def _keep_cpu_weights_unpacked(model: nn.Module, device: torch.device) -> None:
     """On CPU, vLLM repacks each linear weight for oneDNN into a private copy (and drops the
     original): keep the arena's weights on `F.linear` instead, shared and read-only."""
@@ -292,26 +191,6 @@ def _keep_cpu_weights_unpacked(model: nn.Module, device: torch.device) -> None:
             # embeddings and the LM head: their method repacks unconditionally; the lookup itself needs no repack
             method = module.quant_method
             method.process_weights_after_loading = lambda layer: setattr(layer, "cpu_linear", F.linear)
-
-
-def _view_bytes(model: nn.Module, attachment: Attachment) -> tuple[int, int]:
-    """Parameter bytes inside the mapped arena, and outside it, once post-processing is done."""
-    spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in attachment.tensors.values()]
-    lo = min(start for start, _ in spans)
-    hi = max(start + n for start, n in spans)
-    views = copies = 0
-    for param in dict.fromkeys(model.parameters()):
-        n = param.numel() * param.element_size()
-        if lo <= param.data_ptr() < hi:
-            views += n
-        else:
-            copies += n
-    return views, copies
-
-
-def _kind(kind: Any) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join("number" if k in (int, float) else k.__name__ for k in kinds)
 
 
 class _Metrics:
