@@ -49,7 +49,9 @@ def byte_offset(t: torch.Tensor) -> int:
 @pytest.mark.parametrize("tp", [1, 2])
 def test_one_default_agent_serves_checkpoint_and_fused_names_from_the_same_bytes(model, tmp_path, tp):
     rank = tp - 1  # TP 2: rank 1, whose q, k, v are the second half of each head group
-    agent = AgentProcess(model, str(tmp_path / "agent.sock"), *(["--tp-size", "2", "--tp-rank", "1"] if tp > 1 else []))
+    # TP 1 passes an earlier version's --layout (accepted, ignored): both namings are served all the same
+    flags = ["--tp-size", "2", "--tp-rank", "1"] if tp > 1 else ["--layout", "file"]
+    agent = AgentProcess(model, str(tmp_path / "agent.sock"), *flags)
     with agent:
         agent.wait_ready()
         spec = CacheSpec(model=model, tp_size=tp, tp_rank=rank)
