@@ -12,8 +12,8 @@ that know nothing of the engine live here:
   - `FusedCopies`: a fused parameter (`qkv_proj`, `gate_up_proj`, or whatever the model's
     `packed_modules_mapping` adds) whose parts the cache serves apart is assembled by copying,
     and named, through `attach`'s `materialize`;
-  - `view_bytes`: after the engine's post-load processing, the parameter bytes that are views of
-    the mapped arena and the bytes that are private copies.
+  - `view_bytes`, `copied_by_kind`: after the engine's post-load processing, the parameter bytes
+    that are views of the mapped arena and the bytes that are private copies (by parameter name).
 """
 from __future__ import annotations
 
@@ -138,17 +138,33 @@ class FusedCopies:
 
 def view_bytes(model: nn.Module, attachment: Attachment) -> tuple[int, int]:
     """Parameter bytes inside the mapped arena, and outside it, once post-processing is done."""
+    views = copies = 0
+    for n in _copied(model, attachment).values():
+        copies += n
+    for param in dict.fromkeys(model.parameters()):
+        views += param.numel() * param.element_size()
+    return views - copies, copies
+
+
+def copied_by_kind(model: nn.Module, attachment: Attachment) -> dict[str, int]:
+    """Parameter bytes outside the mapped arena once post-processing is done, by the parameter's own
+    name in its module (`weight`, `weight_scale_inv`, `bias`, ...), largest first."""
+    return dict(sorted(_copied(model, attachment).items(), key=lambda kv: -kv[1]))
+
+
+def _copied(model: nn.Module, attachment: Attachment) -> dict[str, int]:
     spans = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in attachment.tensors.values()]
     lo = min(start for start, _ in spans)
     hi = max(start + n for start, n in spans)
-    views = copies = 0
-    for param in dict.fromkeys(model.parameters()):
-        n = param.numel() * param.element_size()
-        if lo <= param.data_ptr() < hi:
-            views += n
-        else:
-            copies += n
-    return views, copies
+    kinds: dict[str, int] = {}
+    seen: set[int] = set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in seen or lo <= param.data_ptr() < hi:
+            continue
+        seen.add(id(param))
+        kind = name.rpartition(".")[2]
+        kinds[kind] = kinds.get(kind, 0) + param.numel() * param.element_size()
+    return kinds
 
 
 def socket_for_rank(socket: str | None, rank: int) -> str:

@@ -10,16 +10,18 @@
      cache serves apart (a model whose `packed_modules_mapping` the layout does not know, an
      incomplete group) is assembled by copying, and counted;
   3. runs vLLM's post-load processing with nothing that would rewrite an arena tensor: on CPU
-     the linear layers stay on `F.linear` instead of oneDNN's repacked copy (the arena is
-     read-only, and a repack is a private copy of every weight); on CUDA unquantized layers
-     process nothing;
-  4. counts parameter bytes that are arena views and bytes that are copies, logs them in one
-     line and exports them as Prometheus gauges;
+     the linear layers stay on `F.linear` (or, for block FP8, vLLM's unpacked FP8 kernel) instead
+     of a repacked copy (the arena is read-only, and a repack is a private copy of every weight);
+     on CUDA unquantized layers process nothing, and block FP8 layers keep their weights as views
+     (`vllm_fp8`: which quantization forms are served, and DeepGEMM's in-place re-quantization);
+  4. counts parameter bytes that are arena views and bytes that are copies (by parameter name),
+     logs them in one line and exports them as Prometheus gauges;
   5. hands the lease to `vllm_standby`: a standby gives its KV cache's memory back once warm,
      and takes it again when the agent promotes it.
 A miss (no agent, another fingerprint, an unsupported model or quantization) falls back to
 vLLM's default loader with one WARNING naming the reason, or, with `"fallback": false`,
-fails with that reason in one ERROR line.
+fails with that reason in one ERROR line; so does a miss for a model that only an agent holds
+(a bf16 checkpoint vLLM was told is block FP8, which the agent quantizes), whatever `fallback` says.
 
 Options (`--model-loader-extra-config`): `socket` (the agent's socket; `{rank}` is replaced
 by the tensor-parallel rank; default: the environment the operator injects, see `attach`),
@@ -51,8 +53,8 @@ from ..errors import WeightCacheError
 from ..load.progress import size_text as _size
 from ..protocol import agent_status
 from ..spec import CacheSpec
-from . import vllm_standby
-from ._engine_common import (MISSES, FusedCopies, NotServable, parameters_on_meta, parse_options,
+from . import vllm_fp8, vllm_standby
+from ._engine_common import (MISSES, FusedCopies, NotServable, copied_by_kind, parameters_on_meta, parse_options,
                              prepare_in_background, socket_for_rank, view_bytes)
 
 # under vLLM's own logger tree, so the lines show where vLLM's do, in its format
@@ -70,6 +72,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         self.timeout = float(options.get("timeout", 600.0))
         self.revision: str | None = options.get("revision")
         self.attachment: Attachment | None = None
+        self.quantization = "none"  # the agent's method for the model being loaded (vllm_fp8.cache_quantization)
 
     # -- vLLM's loader API ---------------------------------------------------------------------
 
@@ -103,6 +106,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         # layers register by name as they are built: a fallback builds the model again
         layers = vllm_config.compilation_config.static_forward_context
         known = set(layers)
+        self.quantization = "none"
         try:
             spec = self._spec(vllm_config, model_config, rank)
             socket = socket_for_rank(self.socket, rank)
@@ -123,7 +127,8 @@ class WeightcacheModelLoader(BaseModelLoader):
         attached = time.perf_counter()
         with set_default_torch_dtype(model_config.dtype):
             _keep_cpu_weights_unpacked(model, device)
-            process_weights_after_loading(model, model_config, device)
+            with vllm_fp8.kept_as_views(model, list(self.attachment.tensors.values())) as notes:
+                process_weights_after_loading(model, model_config, device)
         model._weightcache = self.attachment  # the lease lives as long as the model
         vllm_standby.watch(self.attachment)
         views, copies = view_bytes(model, self.attachment)
@@ -133,7 +138,7 @@ class WeightcacheModelLoader(BaseModelLoader):
         log.info("weightcache: %s rank %d/%d attached from %s in %.3fs: %s in arena views, %s copied (%s); model "
                  "built in %.3fs, preparation waited on %.3fs, attach %.3fs, post-processing %.3fs",
                  os.path.basename(model_config.model.rstrip("/")), rank, spec.tp_size, socket,
-                 done - started, _size(views), _size(copies), ", ".join(copier.copied) or "no copies",
+                 done - started, _size(views), _size(copies), _copies_text(model, self.attachment, copier, notes),
                  built - started, prepared - built, attached - prepared, done - attached)
         _metrics().record(source="agent", reason="", views=views, copies=copies)
         return model.eval()
@@ -146,23 +151,28 @@ class WeightcacheModelLoader(BaseModelLoader):
                               "directory on the node)")
         if get_pp_group().world_size > 1:
             raise NotServable("pipeline parallelism is not served from the cache (tensor parallelism is)")
-        if model_config.quantization:
-            raise NotServable(f"vLLM quantization {model_config.quantization!r} is not bound from the cache yet: its "
-                              "linear methods repack weights after loading (serve an unquantized checkpoint)")
+        self.quantization = vllm_fp8.cache_quantization(model_config, vllm_config.quant_config,
+                                                        vllm_config.cache_config)
         dtype = str(model_config.dtype).removeprefix("torch.")
         return CacheSpec(model=model_config.model, tp_size=get_tensor_model_parallel_world_size(), tp_rank=rank,
-                         dtype=dtype, revision=self.revision)
+                         dtype=dtype, revision=self.revision, quantization=self.quantization)
 
     def _build(self, vllm_config: VllmConfig, model_config: ModelConfig, prefix: str) -> tuple[nn.Module, torch.device]:
         device_config = vllm_config.device_config
         device = torch.device(device_config.device if self.load_config.device is None else self.load_config.device)
         with set_default_torch_dtype(model_config.dtype), device, parameters_on_meta():
             model = initialize_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+        vllm_fp8.kv_scales_as_vllm_makes_them(model, device)
         return model, device
 
     def _miss(self, reason: str, kind: str, vllm_config: VllmConfig, model_config: ModelConfig,
               prefix: str) -> nn.Module:
         where = self.socket or "the environment's agent"
+        no_disk = vllm_fp8.disk_serves(model_config.model, self.quantization)
+        if self.fallback and no_disk:
+            line = f"weightcache: cannot attach {model_config.model} from {where}: {reason}; no disk fallback: {no_disk}"
+            log.error("%s", line)
+            raise RuntimeError(line) from None
         if not self.fallback:
             line = f"weightcache: cannot attach {model_config.model} from {where}: {reason} (fallback is off)"
             log.error("%s", line)
@@ -174,6 +184,14 @@ class WeightcacheModelLoader(BaseModelLoader):
 
     def _default_config(self) -> LoadConfig:
         return dataclasses.replace(self.load_config, load_format="auto", model_loader_extra_config={})
+
+
+def _copies_text(model: nn.Module, attachment: Attachment, copier: FusedCopies, notes: list[str]) -> str:
+    """What was copied, for the log line: bytes by parameter name, fused parameters assembled, and why."""
+    kinds = copied_by_kind(model, attachment)
+    parts = [", ".join(f"{kind} {_size(n)}" for kind, n in kinds.items())] if kinds else []
+    parts += [f"assembled {', '.join(copier.copied)}"] if copier.copied else []
+    return "; ".join(parts + notes) or "no copies"
 
 
 def _keep_cpu_weights_unpacked(model: nn.Module, device: torch.device) -> None:
