@@ -34,6 +34,14 @@ PROBE = os.path.join(os.path.dirname(__file__), "vllm_fp8_probe.py")
 SHAPE = LlamaShape(hidden_size=512, intermediate_size=512, num_attention_heads=8, num_key_value_heads=4, vocab_size=512)
 BLOCK_FP8 = {"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}}
+# compressed-tensors' FP8 W8A8 (per-channel weights, dynamic per-token activations), as llm-compressor writes it
+COMPRESSED_TENSORS_FP8 = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+                          "config_groups": {"group_0": {
+                              "targets": ["Linear"],
+                              "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                          "dynamic": False},
+                              "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                    "symmetric": True, "dynamic": True}}}}
 FP8_AGENT = ("--quantization", "fp8-block", "--dtype", "bfloat16")
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.skipif(not VLLM_PYTHON and not os.environ.get("CI"),
@@ -101,6 +109,8 @@ def one_rank(models, agents, tmp_path_factory):
         "per-tensor": dict(op="load", model=models["bf16"], socket=agents["bf16q"], fallback=False,
                            overrides={"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}),
         "no agent, no disk copy": dict(op="load", model=models["bf16"], socket=nowhere, overrides=BLOCK_FP8),
+        "compressed-tensors": dict(op="load", model=models["bf16"], socket=agents["bf16q"], fallback=False,
+                                   overrides={"quantization_config": COMPRESSED_TENSORS_FP8}),
     }
     results, log = probe(list(checks.values()))
     return dict(zip(checks, results)), log
@@ -158,6 +168,7 @@ def test_unserved_fp8_forms_are_named_and_a_model_only_the_agent_holds_does_not_
     results, _ = one_rank
     assert "'fp8' per-tensor or per-channel (weight_scale, no weight_block_size) is not served" in \
         results["per-tensor"]["error"]
+    assert "vLLM quantization 'compressed-tensors' is not served from the cache" in results["compressed-tensors"]["error"]
     error = results["no agent, no disk copy"]["error"]
     assert "AgentUnavailable" in error and "no disk fallback" in error and "has no quantization_config" in error
 

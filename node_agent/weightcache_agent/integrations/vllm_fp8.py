@@ -20,9 +20,11 @@ What post-load processing does to block FP8 (`kept_as_views`), per kernel vLLM p
     so its block scales are powers of two, then lays the scales out for DeepGEMM (a new tensor). The arena
     is read-only and shared, so it must not be written: where a layer's scales already are powers of two
     (the agent's own quantizer makes them so, as do UE8M0 checkpoints) the re-quantization changes no
-    value, and it is skipped for that layer (the weight stays a view, only the small scale tensor is
-    vLLM's new copy); where they are not, the layer's weight and scale are copied first and vLLM
-    re-quantizes its copy, counted and named in the loader's log line.
+    value (it may move a factor of two between a block's weights and its scale; a block whose largest
+    magnitude is below 1e-4, which vLLM's re-quantization clamps and rounds coarser, keeps the arena's
+    finer values), and it is skipped for that layer (the weight stays a view, only the small scale
+    tensor is vLLM's new copy); where they are not, the layer's weight and scale are copied first and
+    vLLM re-quantizes its copy, counted and named in the loader's log line.
 """
 from __future__ import annotations
 
