@@ -72,7 +72,8 @@ check() {
 import importlib, importlib.metadata as m
 for mod in ("sglang.launch_server", "sglang.srt.entrypoints.http_server", "sglang.srt.managers.scheduler",
             "sglang.srt.model_executor.model_runner", "sglang.srt.models.llama",
-            "sglang.srt.layers.attention.flashattention_backend", "sgl_kernel", "torch_memory_saver"):
+            "sglang.srt.layers.attention.flashattention_backend", "sglang.srt.configs.model_config",
+            "sglang.srt.layers.quantization", "sglang.srt.model_loader.loader", "sgl_kernel", "torch_memory_saver"):
     importlib.import_module(mod)
     print("imports", mod)
 print("plugins:", [(e.name, e.value) for e in m.entry_points(group="sglang.srt.plugins")])
