@@ -59,6 +59,13 @@ install() {
     python3 -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . > "$OUT/install.log" 2>&1 \
       || { echo "pip install of the checkout failed (install.log)"; exit 1; }
   fi
+  # the bench's clock on SGLang's default loader (bench/sglang_load_timing.py), as a plugin of SGLang's
+  cp bench/sglang_load_timing.py "$SITE/"
+  mkdir -p "$SITE/weightcache_bench_timing-0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: weightcache-bench-timing\nVersion: 0\n' \
+    > "$SITE/weightcache_bench_timing-0.dist-info/METADATA"
+  printf '[sglang.srt.plugins]\nbench_timing = sglang_load_timing:register\n' \
+    > "$SITE/weightcache_bench_timing-0.dist-info/entry_points.txt"
   python3 -c "import sglang, torch; print('sglang', sglang.__version__, 'torch', torch.__version__)"
   # the mixed phase's vLLM: its parts, where bench/vllm_gpu.sh receive left them, unpacked as that script does
   local vparts=${WEIGHTCACHE_VLLM_PARTS:-/root/vllm-gpu-parts} vsite=${WEIGHTCACHE_VLLM_SITE:-/tmp/vllm-site}

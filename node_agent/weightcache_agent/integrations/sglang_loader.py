@@ -101,7 +101,7 @@ class WeightcacheModelLoader(BaseModelLoader):
                                      engine=engine_id(), names="fused")
         except MISSES as e:
             reason = f"{type(e).__name__}: {e}" if not isinstance(e, NotServable) else str(e)
-            del model
+            model = None  # the half-built model goes before the fallback builds its own
             return self._miss(reason, model_config, device_config)
         attached = time.perf_counter()
         with set_default_torch_dtype(model_config.dtype):
