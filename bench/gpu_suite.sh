@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs a GPU, in one device call: the CUDA tests, then the GPU benchmark.
 # Usage on the device machine: bash bench/gpu_suite.sh [GIB]   (tables and logs land in $OUT)
+#                              bash bench/gpu_suite.sh tests   (the CUDA tests only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/node_agent:$PWD/operator${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -17,6 +18,7 @@ python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/test_cuda_backend.p
   tests/test_tp_cuda.py tests/test_bind_manifest.py tests/test_packed_rows.py tests/test_native_build.py tests/test_one_arena.py \
   tests/test_readonly_weights.py tests/test_security_digest_cuda.py tests/test_first_day.py 2>&1 | tee "$OUT/gpu_tests.log"
 tests=${PIPESTATUS[0]}
+[ "${1:-}" = tests ] && { echo "tests exit $tests"; exit "$tests"; }
 python3 bench/gpu_bench.py --gib "${1:-32}" --out "$OUT" "${@:2}" 2>&1 | tee "$OUT/gpu_bench.log"
 bench=${PIPESTATUS[0]}
 # The user-visible figures: fresh processes, from outside (same checkpoint as the benchmark above).
