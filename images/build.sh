@@ -13,6 +13,10 @@
 #                      Python, fetched by this machine's pip (its dependencies from PyPI), instead of
 #                      the Dockerfile's CUDA build: a test image, for engines on the cpu backend
 #   --storage DIR      buildah's storage (images, containers) in DIR instead of its default place
+# Layers are cached in the storage, as docker build caches them: a step runs again only where it or
+# what comes before it changed (a COPY's files included). The Debian base made by --debian-base is
+# reused while it is less than BASE_MAX_AGE_DAYS old (7 by default; 0 makes a new one), so the
+# layers on it, apt's and pip's downloads included, are at most that old.
 # Needs buildah (and mmdebstrap for --debian-base); runs every step with --isolation chroot, so it
 # needs no container runtime. CONTAINERS_CONF, if unset, names a file written here that sets no
 # default ulimits (a sandbox that cannot raise them refuses a build that asks).
@@ -75,21 +79,26 @@ fi
 if [ "$debian" = 1 ]; then
   began=$SECONDS
   base=localhost/weightcache-base:bookworm
-  mmdebstrap --quiet --variant=minbase --include=python3,python3-venv bookworm "$work/debian.tar"
-  ctr=$(buildah from scratch)
-  buildah add --quiet "$ctr" "$work/debian.tar" /
-  rm "$work/debian.tar"
-  buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
-  buildah commit --quiet --rm "$ctr" "$base" >/dev/null
+  made=$(buildah inspect --type image --format '{{.Docker.Created.Unix}}' "$base" 2>/dev/null || echo 0)
+  if [ $(( $(date +%s) - made )) -lt $(( ${BASE_MAX_AGE_DAYS:-7} * 86400 )) ]; then
+    echo "images/build.sh: Debian base $base reused, made $(( ($(date +%s) - made) / 3600 )) h ago"
+  else
+    mmdebstrap --quiet --variant=minbase --include=python3,python3-venv bookworm "$work/debian.tar"
+    ctr=$(buildah from scratch)
+    buildah add --quiet "$ctr" "$work/debian.tar" /
+    rm "$work/debian.tar"
+    buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
+    buildah commit --quiet --rm "$ctr" "$base" >/dev/null
+    echo "images/build.sh: Debian base $base in $((SECONDS - began)) s"
+  fi
   args+=(--build-arg "BASE=$base")
-  echo "images/build.sh: Debian base $base in $((SECONDS - began)) s"
 fi
 for image in "${images[@]}"; do
   began=$SECONDS
   extra=()
   [ "$image" != agent ] || extra=("${torch[@]}")
   tag=localhost/weightcache-$image:$version
-  buildah bud --isolation chroot "${args[@]}" "${extra[@]}" -f "images/$image.Dockerfile" -t "$tag" .
+  buildah bud --layers --isolation chroot "${args[@]}" "${extra[@]}" -f "images/$image.Dockerfile" -t "$tag" .
   rm -f "$out/$image.tar"
   buildah push --quiet "$tag" "oci-archive:$out/$image.tar:weightcache-$image:$version"
   echo "images/build.sh: $tag -> $out/$image.tar in $((SECONDS - began)) s"

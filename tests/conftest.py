@@ -2,6 +2,7 @@
 control plane, and the torch-native row binder compiled for this torch."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -96,13 +97,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.write_line(f"{spent:8.1f}s  {unit}")
 
 
-@pytest.fixture(scope="session")
-def k8s_lab() -> Iterator[Lab]:
-    """A running control plane with nodes node-1 and node-2, the GPU DeviceClass and the CRDs.
-
-    Skips where the control-plane scripts or etcd are absent. Started once per session and
-    stopped (down.sh --wipe, nothing left running) at its end.
-    """
+@contextlib.contextmanager
+def _running_lab() -> Iterator[Lab]:
     reason = unavailable_reason()
     if reason:
         pytest.skip(f"no Kubernetes control plane: {reason}")
@@ -115,13 +111,7 @@ def k8s_lab() -> Iterator[Lab]:
     assert not left, f"control-plane processes left running: {left}"
 
 
-@pytest.fixture(scope="session")
-def k8s_chart(k8s_lab: Lab) -> Lab:
-    """The lab with the project's Helm chart installed (release `weightcache` in namespace
-    `weightcache-system`): the operator's RBAC, the agent's ClusterRole and the
-    ValidatingAdmissionPolicy; its operator Deployment scaled to 0. Needs helm-sdkpy."""
-    import os
-
+def _with_chart(lab: Lab) -> Lab:
     from k8s_lab import install_or_upgrade_chart
 
     try:
@@ -130,13 +120,41 @@ def k8s_chart(k8s_lab: Lab) -> Lab:
         if os.environ.get("CI"):
             raise
         pytest.skip(f"helm-sdkpy not available: {e}")
-    install_or_upgrade_chart(k8s_lab)
+    install_or_upgrade_chart(lab)
     # No pod for the chart's operator Deployment: a test that needs the operator runs it as a
     # local process against the lab, and a fake kubelet must not find an operator pod to run.
     deployments = "/apis/apps/v1/namespaces/weightcache-system/deployments"
-    for deployment in k8s_lab.api.get(deployments)["items"]:  # `kubectl scale deployment --all --replicas=0`
-        k8s_lab.api.patch(f"{deployments}/{deployment['metadata']['name']}/scale", {"spec": {"replicas": 0}})
-    return k8s_lab
+    for deployment in lab.api.get(deployments)["items"]:  # `kubectl scale deployment --all --replicas=0`
+        lab.api.patch(f"{deployments}/{deployment['metadata']['name']}/scale", {"spec": {"replicas": 0}})
+    return lab
+
+
+@pytest.fixture(scope="session")
+def k8s_lab() -> Iterator[Lab]:
+    """A running control plane with nodes node-1 and node-2, the GPU DeviceClass and the CRDs.
+
+    Skips where the control-plane scripts or etcd are absent. Started once per session and
+    stopped (down.sh --wipe, nothing left running) at its end.
+    """
+    with _running_lab() as lab:
+        yield lab
+
+
+@pytest.fixture(scope="session")
+def k8s_chart(k8s_lab: Lab) -> Lab:
+    """The lab with the project's Helm chart installed (release `weightcache` in namespace
+    `weightcache-system`): the operator's RBAC, the agent's ClusterRole and the
+    ValidatingAdmissionPolicy; its operator Deployment scaled to 0. Needs helm-sdkpy."""
+    return _with_chart(k8s_lab)
+
+
+@pytest.fixture
+def own_k8s_chart() -> Iterator[Lab]:
+    """As `k8s_chart`, on a control plane of the test's own, stopped when the test ends: for a unit of
+    one test on a worker of its own, whose control plane would otherwise idle there (about 4 CPU
+    seconds a minute) until the run ends."""
+    with _running_lab() as lab:
+        yield _with_chart(lab)
 
 
 @pytest.fixture(scope="session")

@@ -138,7 +138,7 @@ def test_sglang_engineset_is_accepted_and_rendered(k8s_chart: Lab, tmp_path: Pat
 @pytest.mark.skipif(not VLLM_PYTHON and not os.environ.get("CI"),
                     reason="no vLLM environment ($WEIGHTCACHE_VLLM_PYTHON; tests/vllm_venv.sh makes one)")
 @pytest.mark.timeout(1500)  # four vLLM engines starting at once: ~4 min alone on two cores, far more beside other workers
-def test_vllm_engineset_serves_and_fails_over_as_shipped(k8s_chart: Lab) -> None:
+def test_vllm_engineset_serves_and_fails_over_as_shipped(own_k8s_chart: Lab) -> None:
     """examples/engineset-vllm.yaml as shipped, vLLM's CPU build in its pods (what differs from a GPU
     node: bench/vllm_failover_k8s.py): its agents run with default flags; two groups of a vLLM
     primary and a standby reach serving, none restarted; each standby has given its KV cache back
@@ -147,7 +147,7 @@ def test_vllm_engineset_serves_and_fails_over_as_shipped(k8s_chart: Lab) -> None
     standby takes its KV cache back, the EndpointSlice lists it, it answers, and no request failed
     (one retry allowed). Twenty trials and a rollout: bench/vllm_failover_k8s.py."""
     assert VLLM_PYTHON, "CI must provide $WEIGHTCACHE_VLLM_PYTHON (tests/vllm_venv.sh)"
-    with vllm_bench.VllmExample(k8s_chart, VLLM_PYTHON, settle_timeout=1200) as example:
+    with vllm_bench.VllmExample(own_k8s_chart, VLLM_PYTHON, settle_timeout=1200) as example:
         ds = example.api.get(f"/apis/apps/v1/namespaces/{NS}/daemonsets/qwen-7b-vllm-agent")
         args = ds["spec"]["template"]["spec"]["containers"][0]["args"]
         assert "--layout" not in args and args[args.index("--dtype") + 1] == "bfloat16"

@@ -4,8 +4,9 @@ agent serves a tiny checkpoint on the cpu backend and an engine attaches (images
 inside the operator image `weightcache-operator --help` runs as the chart's non-root user.
 
 `.ci/run` starts the build in the background before the suite and names its folder in
-`$WEIGHTCACHE_IMAGES` (build.log, then build.rc, the archives in out/, buildah's storage in
-storage/); these tests wait for build.rc. Without that variable they run the build themselves
+`$WEIGHTCACHE_IMAGES` (build.log, then build.rc, the archives in out/) and buildah's storage in
+`$WEIGHTCACHE_IMAGES_STORAGE` (else storage/ in that folder); these tests wait for build.rc.
+Without `$WEIGHTCACHE_IMAGES` they run the build themselves
 (a few minutes). Without buildah or mmdebstrap they skip, except where `CI` is set: there
 they fail, as they do when the build failed.
 """
@@ -105,7 +106,9 @@ def buildah(where: pathlib.Path, *argv: object, timeout: float = 300) -> subproc
     """buildah on the storage of the build in `where`."""
     conf = where / "containers.conf"
     conf.write_text("[containers]\ndefault_ulimits = []\n")  # a sandbox may not raise ulimits
-    return subprocess.run(["buildah", "--root", where / "storage" / "root", "--runroot", where / "storage" / "run",
+    given = os.environ.get("WEIGHTCACHE_IMAGES") and os.environ.get("WEIGHTCACHE_IMAGES_STORAGE")
+    storage = pathlib.Path(given) if given else where / "storage"
+    return subprocess.run(["buildah", "--root", storage / "root", "--runroot", storage / "run",
                            *argv], capture_output=True, text=True, env=dict(os.environ, CONTAINERS_CONF=str(conf)),
                           timeout=timeout)
 

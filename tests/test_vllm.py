@@ -9,7 +9,7 @@ Real agents (cpu backend, default flags) serve tiny random Llama and Qwen2 check
 default loader and from the cache, and the greedy tokens must be the same:
 - in-process engine: Llama bf16 and Qwen2 fp32, a mismatching agent (fallback: one
   WARNING, served from disk), no agent with fallback off (one ERROR line naming the reason);
-- vLLM's multi-process engine with TP=2 (gloo): Qwen2 fp32, each worker on its own rank's agent;
+- TP=2 (gloo), its ranks in vLLM's worker processes: Qwen2 fp32, each worker on its own rank's agent;
 - the README's commands as written (an agent, vLLM's OpenAI server): `/v1/completions`; then, while
   vLLM still serves, the README's reference engines and a transformers model attach to the same
   agent: three kinds of engine on one arena, each all views.
@@ -51,14 +51,17 @@ def vllm_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def drive(runs: list[dict], **env: str) -> tuple[list[dict], str]:
+def drive(runs: list[dict], **env: str) -> tuple[list[dict], list[str]]:
+    """vLLM's results for `runs`, one process for all of them, and each run's log."""
     assert VLLM_PYTHON, "CI must provide $WEIGHTCACHE_VLLM_PYTHON (tests/vllm_venv.sh)"
     proc = subprocess.run([VLLM_PYTHON, DRIVER, json.dumps(runs)], capture_output=True, text=True, timeout=1500,
                           env=vllm_env(**env), cwd=os.path.dirname(DRIVER))
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and len(results) == len(runs), f"vLLM driver failed ({proc.returncode}):\n" \
         f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return results, proc.stdout + proc.stderr  # vLLM logs to stdout
+    # vLLM logs to stdout; each stream's part from one run's marker to the next is that run's
+    out, err = (re.split(r"^RUN \d+\n", text, flags=re.MULTILINE)[1:] for text in (proc.stdout, proc.stderr))
+    return results, [o + e for o, e in zip(out, err)]
 
 
 def _causes(log: str) -> str:
@@ -105,8 +108,10 @@ def agents(models, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def in_process(models, agents, tmp_path_factory):
-    """One vLLM process, its runs one after another: default loader vs the cache, and the misses."""
+    """One vLLM process, its runs one after another: default loader vs the cache, the misses, and
+    TP=2 from the cache (its ranks in worker processes). `log`: the TP=1 runs' log."""
     missing = str(tmp_path_factory.mktemp("nowhere") / "none.sock")
+    template = agents["qwen2-fp32"].replace("qwen2-fp32.sock", "qwen2-fp32-r{rank}.sock")
     runs = {
         "llama default": dict(model=models["llama"]),
         "llama cache": dict(model=models["llama"], load_format="weightcache", extra={"socket": agents["llama"]}),
@@ -118,20 +123,26 @@ def in_process(models, agents, tmp_path_factory):
                                extra={"socket": agents["qwen2-fp32"]}),
         "llama no agent": dict(model=models["llama"], load_format="weightcache",
                                extra={"socket": missing, "fallback": False}),
+        # In this process too: a vLLM process's start (its imports) costs more on two cores than the run.
+        "qwen2 fp32 tp2 cache": dict(model=models["qwen2"], dtype="float32", tp=2, load_format="weightcache",
+                                     extra={"socket": template}),
     }
-    results, log = drive([dict(r, prompts=PROMPTS) for r in runs.values()], VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    return dict(zip(runs, results)), log, missing
+    results, logs = drive([dict(r, prompts=PROMPTS) for r in runs.values()], VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    by_run = dict(zip(runs, zip(results, logs)))
+    tp2 = by_run.pop("qwen2 fp32 tp2 cache")
+    return {name: result for name, (result, _) in by_run.items()}, "".join(log for _, log in by_run.values()), \
+        missing, tp2
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2 fp32"])
 def test_the_cache_serves_the_same_greedy_tokens_as_vllms_loader(in_process, model):
-    results, log, _ = in_process
+    results, log, _, _ = in_process
     assert results[f"{model} cache"]["tokens"] == results[f"{model} default"]["tokens"]
     assert all(len(t) == 8 for t in results[f"{model} cache"]["tokens"])
 
 
 def test_every_parameter_byte_is_an_arena_view_after_post_load_processing(in_process):
-    _, log, _ = in_process
+    _, log, _, _ = in_process
     lines = attached_lines(log)
     assert [(name, rank, size) for name, rank, size, _, _ in lines] == [("llama", 0, 1), ("qwen2", 0, 1)]
     for _, _, _, views, copies in lines:
@@ -139,7 +150,7 @@ def test_every_parameter_byte_is_an_arena_view_after_post_load_processing(in_pro
 
 
 def test_a_mismatching_agent_falls_back_to_disk_with_one_warning(in_process):
-    results, log, _ = in_process
+    results, log, _, _ = in_process
     warnings = [line for line in log.splitlines() if "weightcache: cache miss" in line]
     assert len(warnings) == 1 and "WARNING" in warnings[0] and "FingerprintMismatch" in warnings[0], warnings
     assert "content" in warnings[0]  # names the field that differs
@@ -147,18 +158,16 @@ def test_a_mismatching_agent_falls_back_to_disk_with_one_warning(in_process):
 
 
 def test_no_agent_without_fallback_fails_with_one_line_naming_the_socket(in_process):
-    results, log, missing = in_process
+    results, log, missing, _ = in_process
     assert "error" in results["llama no agent"]
     errors = [line for line in log.splitlines() if "weightcache: cannot attach" in line and "ERROR" in line]
     assert len(errors) == 1, errors
     assert missing in errors[0] and "AgentUnavailable" in errors[0] and "fallback is off" in errors[0]
 
 
-def test_tensor_parallel_workers_attach_their_own_ranks_and_match_tp1(models, agents, in_process):
-    template = agents["qwen2-fp32"].replace("qwen2-fp32.sock", "qwen2-fp32-r{rank}.sock")
-    results, log = drive([dict(model=models["qwen2"], dtype="float32", tp=2, prompts=PROMPTS,
-                               load_format="weightcache", extra={"socket": template})])
-    assert results[0]["tokens"] == in_process[0]["qwen2 fp32 default"]["tokens"]
+def test_tensor_parallel_workers_attach_their_own_ranks_and_match_tp1(in_process):
+    results, _, _, (tp2, log) = in_process
+    assert tp2["tokens"] == results["qwen2 fp32 default"]["tokens"]
     assert sorted((rank, size, copies) for _, rank, size, _, copies in attached_lines(log)) == [(0, 2, "0 B"),
                                                                                                  (1, 2, "0 B")]
 

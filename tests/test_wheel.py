@@ -142,12 +142,19 @@ def test_wheel_in_a_fresh_venv_serves_an_engine_and_uninstalls_without_a_trace(d
     python = venv / "bin" / "python"
     # The torch this suite runs under, from where pip finds it (a local build such as +cpu from its
     # index on download.pytorch.org); tried once, not retried, where that index cannot be reached. Not
-    # byte-compiled: compiling its 2,300 modules is two thirds of the install's CPU (12 s of 19), and the
-    # engine imports a few hundred of them.
+    # byte-compiled: compiling its 2,300 modules is two thirds of pip's CPU for it (12 s of 19), and the
+    # engine imports a few hundred of them. Where uv is at hand (CI has it: tests/vllm_venv.sh), uv puts
+    # it there from its cache, which the vLLM environment's install filled: links, not a 200 MB unzip.
     local = re.search(r"\+(\w+)$", torch.__version__)
     extra = ["--extra-index-url", f"https://download.pytorch.org/whl/{local.group(1)}"] if local else []
-    run(python, "-m", "pip", "install", "-q", "--retries", "0", "--no-compile", "--no-deps", f"torch=={torch.__version__}",
-        *extra)
+    uv = shutil.which("uv")
+    if uv:
+        links = os.environ.get("PIP_FIND_LINKS")  # uv does not read pip's settings
+        run(uv, "pip", "install", "-q", "--python", python, "--no-deps", f"torch=={torch.__version__}",
+            *(["--find-links", links] if links else extra))
+    else:
+        run(python, "-m", "pip", "install", "-q", "--retries", "0", "--no-compile", "--no-deps",
+            f"torch=={torch.__version__}", *extra)
     user = tmp_path / "user"
     (user / "dist").mkdir(parents=True)
     (user / "dist" / dist["wheel"].name).write_bytes(dist["wheel"].read_bytes())

@@ -5,8 +5,9 @@
 Each run: {"model": DIR, "dtype": "bfloat16", "tp": 1, "load_format": "auto" | "weightcache",
 "extra": {...} (--model-loader-extra-config), "prompts": [[token ids], ...], "max_tokens": 8}.
 One line per run on stdout: `RESULT {"tokens": [[...], ...], "text": [...]}` or
-`RESULT {"error": "..."}`. With tp 1 the runs share this process (vLLM's in-process engine,
-torn down between runs); tp > 1 runs vLLM's multi-process engine.
+`RESULT {"error": "..."}`, and before each run a line `RUN i` on stdout and on stderr, which
+marks where the run's log starts. The runs share this process (vLLM's in-process engine where
+VLLM_ENABLE_V1_MULTIPROCESSING=0, torn down between runs); tp > 1 starts a worker process per rank.
 """
 import gc
 import json
@@ -40,7 +41,9 @@ def run_one(run: dict) -> dict:
 
 
 def main() -> None:
-    for run in json.loads(sys.argv[1]):
+    for i, run in enumerate(json.loads(sys.argv[1])):
+        print(f"RUN {i}", flush=True)
+        print(f"RUN {i}", file=sys.stderr, flush=True)
         print("RESULT " + json.dumps(run_one(run)), flush=True)
 
 
