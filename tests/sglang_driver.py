@@ -17,9 +17,14 @@ only metadata is pyproject.toml's `sglang.srt.plugins` entry points is put besid
 SGLang's CPU engine needs sgl-kernel's CPU build; without it SGLang builds its layers as for CUDA,
 whose rotary embedding takes one kernel from vLLM when CUDA is absent: a placeholder stands for it
 here, never called (no forward pass runs); with TP 2 the groups are gloo's alone (no NCCL on CPU).
+Where torchvision does not load (CI's environment pairs SGLang with torch's CPU build, for which no
+package index reachable here has a torchvision), a placeholder stands for the one function SGLang
+imports from it at start (`torchvision.io`'s image decoding, for images: never called on this path).
 """
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import logging
 import os
@@ -46,6 +51,41 @@ def plugin_distribution() -> str:
     return site
 
 
+class Placeholder(types.ModuleType):
+    """A module whose every name is a placeholder: importable, usable as a default or a key, raises if called."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.__path__ = []
+        self.__version__ = "0.26.0"  # the torchvision SGLang 0.5.17 pins, for version checks at import
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Placeholder(f"{self.__name__}.{name}")
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"placeholder {self.__name__}: not used on the path these tests run")
+
+
+class PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports of a package and its submodules, answered with placeholders."""
+
+    def __init__(self, package: str):
+        self.package = package
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != self.package and not name.startswith(self.package + "."):
+            return None
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return Placeholder(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass
+
+
 def placeholder_kernels() -> None:
     vllm, ops = types.ModuleType("vllm"), types.ModuleType("vllm._custom_ops")
 
@@ -56,6 +96,12 @@ def placeholder_kernels() -> None:
     vllm._custom_ops = ops
     sys.modules.setdefault("vllm", vllm)
     sys.modules.setdefault("vllm._custom_ops", ops)
+    try:
+        import torchvision.io  # noqa: F401
+    except (ImportError, RuntimeError):  # a torchvision built for another torch fails registering its ops
+        for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, PlaceholderFinder("torchvision"))
 
 
 def no_nccl() -> None:

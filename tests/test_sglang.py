@@ -33,8 +33,25 @@ SGLANG_PYTHON = os.environ.get("WEIGHTCACHE_SGLANG_PYTHON")
 ROOT = Path(__file__).resolve().parent.parent
 DRIVER = str(ROOT / "tests" / "sglang_driver.py")
 
+# CI builds the environment while the suite runs (.ci/run): tests/sglang_venv.sh's exit status lands here
+SGLANG_READY = os.environ.get("WEIGHTCACHE_SGLANG_READY")
+
 pytestmark = [pytest.mark.timeout(900), pytest.mark.skipif(
     not SGLANG_PYTHON, reason="no SGLang environment ($WEIGHTCACHE_SGLANG_PYTHON; docs/sglang.md, Tests)")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_environment() -> None:
+    """Waits for CI's environment build where one runs; a failed build fails these tests with its log."""
+    if not SGLANG_READY:
+        return
+    deadline = time.monotonic() + 600
+    while not os.path.exists(SGLANG_READY):
+        assert time.monotonic() < deadline, f"SGLang's environment not built in 10 minutes ({SGLANG_READY})"
+        time.sleep(2)
+    rc = Path(SGLANG_READY).read_text().strip()
+    log = Path(SGLANG_READY).with_suffix(".log")
+    assert rc == "0", f"tests/sglang_venv.sh failed ({rc}):\n{log.read_text()[-3000:] if log.exists() else ''}"
 
 
 def sglang_env() -> dict[str, str]:
