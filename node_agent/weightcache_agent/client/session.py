@@ -295,7 +295,6 @@ def attach(module: nn.Module, spec: CacheSpec, socket: str | None = None, mode: 
         message naming the cause. True (cpu backend) maps them privately instead, for
         engines that change weights in place: each page written costs a private 4 KiB
         copy (up to the whole model's size again); untouched pages stay shared.
-
     materialize: fills what the cache does not hold (see `client.materialize`): with it,
         non-persistent buffers (rotary tables) are computed instead of refused, and a
         `Materialize` may also assemble declared places from cache tensors it claims. A
