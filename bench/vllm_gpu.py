@@ -22,9 +22,12 @@ parent's clock:
   5. a planned switchover (`weightcache switchover --to-pid`) under the same client.
 On a machine without CUDA (vLLM's CPU build) the same steps run on a tiny model with the cpu
 backend, without sleep mode: a check of the script, not figures.
+With --fp8 the checkpoint is block FP8 as DeepSeek-V3's releases are (amax/448 scales per 128x128
+block) and the agent serves it as it is (`--quantization fp8-block`); every step runs on it. vLLM's
+CPU build has no block-FP8 kernel (its engine stops at start), so --fp8 is for the GPU.
 
 Usage (vLLM importable by this python): python3 bench/vllm_gpu.py [--layers 24 --hidden 4096]
-    [--startup-trials 3] [--failovers 20] [--out DIR]      (bench/vllm_gpu.sh runs it on the H200)
+    [--startup-trials 3] [--failovers 20] [--fp8] [--out DIR]      (bench/vllm_gpu.sh runs it on the H200)
 """
 from __future__ import annotations
 
@@ -105,9 +108,14 @@ def llama_shape(layers: int, hidden: int) -> LlamaShape:
                       vocab_size=32000)
 
 
-def make_checkpoint(directory: str, shape: LlamaShape) -> int:
-    """Random bf16 weights (made on the GPU where there is one), sharded safetensors, a tokenizer."""
+def make_checkpoint(directory: str, shape: LlamaShape, fp8: bool = False) -> int:
+    """Random bf16 weights (made on the GPU where there is one), sharded safetensors, a tokenizer.
+
+    fp8: each linear weight quantized to block FP8 as DeepSeek-V3's releases ship (128x128 blocks,
+    `weight_scale_inv`, `quantization_config` in config.json), the rest left bf16."""
     from safetensors.torch import save_file
+
+    from weightcache_agent.testing.synthetic_moe import fp8_config, prequantize
 
     device = "cuda" if CUDA else "cpu"
     gen = torch.Generator(device=device).manual_seed(0)
@@ -134,13 +142,16 @@ def make_checkpoint(directory: str, shape: LlamaShape) -> int:
             tensors[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
         if k == len(shards) - 1:
             tensors["model.norm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if fp8:
+            tensors = prequantize(tensors)
         fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, os.path.join(directory, fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in tensors})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {}, "weight_map": weight_map}, f)
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(shape.config(torch.bfloat16), f)
+        config = shape.config(torch.bfloat16)
+        json.dump(fp8_config(config) if fp8 else config, f)
     write_word_tokenizer(directory, v)
     if CUDA:
         torch.cuda.empty_cache()  # what this process keeps on the GPU stays constant from here on
@@ -637,6 +648,8 @@ def main() -> int:
     p.add_argument("--kv-gib", type=float, default=8 if CUDA else 0.0625, help="KV cache per engine, failover")
     p.add_argument("--memory-kv-gib", type=float, default=32 if CUDA else 0.25, help="KV cache per engine, memory")
     p.add_argument("--skip", default="", help="comma list of phases to skip: startup,memory,failover")
+    p.add_argument("--fp8", action="store_true", help="the checkpoint in block FP8 (DeepSeek-V3's form): every phase "
+                   "on it; VLLM_USE_DEEP_GEMM=0 in the environment runs vLLM's CUTLASS block-FP8 kernel instead")
     p.add_argument("--dir", default=None, help="where the checkpoint and logs go (default: a temporary directory)")
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     args = p.parse_args()
@@ -647,16 +660,17 @@ def main() -> int:
     model = os.path.join(work, "llama")
     h = args.hidden
     t0 = time.perf_counter()
-    size = make_checkpoint(model, llama_shape(args.layers, h))
+    size = make_checkpoint(model, llama_shape(args.layers, h), fp8=args.fp8)
     log(f"checkpoint: {size / GIB:.2f} GiB in {time.perf_counter() - t0:.1f}s")
     sock = os.path.join(work, "agent.sock")
-    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu")
+    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu", *(("--quantization", "fp8-block") if args.fp8 else ()))
     status = agent.ready()
     log(f"agent ready: {status.get('load_seconds')} s load, {status.get('wall_seconds'):.1f} s from process start")
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip() if CUDA else "no GPU"
     head = [f"vLLM {vllm.__version__}, torch {torch.__version__}, {gpu}; synthetic Llama {args.layers} layers, hidden "
-            f"{h}, bf16, {size / GIB:.2f} GiB; agent's cold load {status.get('load_seconds', 0):.2f} s", ""]
+            f"{h}, {'block FP8' if args.fp8 else 'bf16'}, {size / GIB:.2f} GiB"
+            f"{', VLLM_USE_DEEP_GEMM=' + os.environ['VLLM_USE_DEEP_GEMM'] if 'VLLM_USE_DEEP_GEMM' in os.environ else ''}; agent's cold load {status.get('load_seconds', 0):.2f} s", ""]
     sections: list[str] = []
     data: dict = {"size": size, "agent": {k: status.get(k) for k in ("load_seconds", "wall_seconds", "arena_bytes")}}
     phases = {
