@@ -81,7 +81,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     _cpu_mark[0] = now
 
 
+# The time bars tests assert (`time_bar`), each with what it measured: the summary lists them by
+# how close they came, so a bound that holds only on a quiet machine shows in a passing run first.
+_time_bars: dict[tuple[str, str], tuple[float, float]] = {}
+
+
+@pytest.fixture
+def time_bar(request: pytest.FixtureRequest):
+    """`time_bar(what, seconds, bound)` asserts seconds < bound (`<=` with inclusive=True) and reports it."""
+    def check(what: str, seconds: float, bound: float, *, inclusive: bool = False, detail: object = "") -> None:
+        request.node.user_properties.append(("time_bar", (what, seconds, bound)))
+        held = seconds <= bound if inclusive else seconds < bound
+        assert held, f"{what}: {seconds:.3f} s, bound {bound:.3f} s {detail}"
+    return check
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        for name, value in report.user_properties:
+            if name == "time_bar":
+                what, seconds, bound = value
+                _time_bars[(report.nodeid.split("@")[0], what)] = (seconds, bound)
     spent = dict(report.user_properties).get("cpu_s")
     if spent is not None:
         unit = report.nodeid.rpartition("@")[2] if "@" in report.nodeid else report.nodeid.split("::")[0]
@@ -89,6 +109,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    if _time_bars:
+        terminalreporter.write_sep("=", f"time bars: {len(_time_bars)} measured, closest to their bound first")
+        for (nodeid, what), (seconds, bound) in sorted(_time_bars.items(), key=lambda kv: -kv[1][0] / kv[1][1]):
+            terminalreporter.write_line(f"{seconds:8.3f}s of {bound:6.2f}s ({seconds / bound:4.0%})  {what}  "
+                                        f"[{nodeid.split('::')[-1][:70]}]")
     if not _cpu_by_unit:
         return
     total = sum(_cpu_by_unit.values())

@@ -291,7 +291,7 @@ def test_status_answers_with_the_last_reading_while_a_new_one_is_slow():
     time.sleep(0.1)
     t0 = time.monotonic()
     assert sampled.get() == 1 and sampled.get() == 1  # stale: answered at once, one refresh started
-    assert time.monotonic() - t0 < 0.1
+    assert time.monotonic() - t0 < 0.4  # not the 0.5 s the reading takes, whatever the machine's load
     wait_for(lambda: sampled.get() == 2, what="the background reading")
 
 

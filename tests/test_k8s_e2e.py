@@ -95,7 +95,7 @@ def results(e2e: e2e_bench.EndToEnd) -> e2e_bench.Results:
 
 
 def test_kill_of_a_primary_moves_the_endpoint_within_the_bar(e2e: e2e_bench.EndToEnd,
-                                                            results: e2e_bench.Results) -> None:
+                                                            results: e2e_bench.Results, time_bar) -> None:
     assert len(results.trials) == TRIALS
     assert {t.group for t in results.trials} == {0, 1}
     for t in results.trials:
@@ -107,8 +107,10 @@ def test_kill_of_a_primary_moves_the_endpoint_within_the_bar(e2e: e2e_bench.EndT
     # The agent's part (kill -> promoted) at p99; the whole path (through the EndpointSlice
     # controller, which a busy machine delays by a second at times) at its median: the p99 of
     # ten trials is one trial, and the benchmark holds the bar on it, alone.
-    assert e2e_bench.percentile(results.promotion, 99) <= BOUND_S, e2e.report
-    assert statistics.median(results.endpoint) <= BOUND_S, e2e.report
+    time_bar("kill -> the agent's promotion, p99", e2e_bench.percentile(results.promotion, 99), BOUND_S,
+             inclusive=True, detail=e2e.report)
+    time_bar("kill -> the EndpointSlice lists the standby, median", statistics.median(results.endpoint), BOUND_S,
+             inclusive=True, detail=e2e.report)
     # every killed pod came back, restarted in place, as its group's standby
     final = e2e.wait_settled((0, 1))
     killed = {t.killed for t in results.trials}
@@ -229,11 +231,12 @@ def test_each_group_reports_what_it_serves_against_the_rollouts_target(e2e: e2e_
         assert g["model"] == f"/models/{e2e_bench.MODEL}", g
 
 
-def test_a_switchover_requested_by_annotation_moves_the_endpoint_to_the_standby(e2e: e2e_bench.EndToEnd) -> None:
+def test_a_switchover_requested_by_annotation_moves_the_endpoint_to_the_standby(e2e: e2e_bench.EndToEnd,
+                                                                                  time_bar) -> None:
     old, new, seconds = e2e_bench.switchover_by_annotation(e2e, 0)
     # the operator's poll (1 s), the agent's switchover, the EndpointSlice controller: a few seconds
     # alone, more on a machine busy with other workers
-    assert seconds < 15, f"annotation -> EndpointSlice took {seconds:.2f} s"
+    time_bar("annotation -> EndpointSlice", seconds, 15.0)
     assert e2e.wait_settled([0])[0][0] == new
     wait_for(lambda: "weightcache.io/switchover-to" not in (engineset(e2e)["metadata"].get("annotations") or {}),
              timeout=10, what="the annotation removed")

@@ -98,7 +98,7 @@ def test_a_read_behind_waits_for_the_read_ahead_to_pass_its_bytes(tmp_path):
         prefetch.stop()
     started = time.monotonic()
     prefetch.wait_past(paths[1], 10 * CHUNK)  # ended: never waits
-    assert time.monotonic() - started < 0.1
+    assert time.monotonic() - started < WAIT_S / 2  # not the WAIT_S a wait takes, whatever the machine's load
 
 
 def test_the_agent_reads_ahead_from_its_flags_unless_whole_files_are_not_coming(tmp_path):

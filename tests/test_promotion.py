@@ -53,7 +53,7 @@ def roles(agent) -> dict[int, tuple[str, str]]:
     return {c["pid"]: (c["role"], c["group"]) for c in agent.status()["clients"]}
 
 
-def test_standby_is_promoted_when_the_primary_dies(cluster, agent, llama_checkpoint):  # noqa: F811
+def test_standby_is_promoted_when_the_primary_dies(cluster, agent, llama_checkpoint, time_bar):  # noqa: F811
     engines = cluster[1]
     older, primary, younger = engines["s1"], engines["p1"], engines["s2"]  # s1 attached first: the oldest standby
     primary.wait_state(lambda h: h["ready"], what="readiness")
@@ -74,7 +74,7 @@ def test_standby_is_promoted_when_the_primary_dies(cluster, agent, llama_checkpo
             break
         assert time.monotonic() - killed < 5, "standby never took over"
     failover = time.monotonic() - killed
-    assert failover < 1.0, f"failover took {failover:.3f}s"
+    time_bar("kill of the primary -> the standby answers", failover, 1.0)
     assert reply["tokens"] == expected["tokens"]  # same weights, same answer
     assert readyz(older) == 200
     assert "PROMOTED" in older.log()

@@ -309,7 +309,7 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def test_template_then_revision_rollout_without_a_failed_request(cluster, checkpoints, capsys):
+def test_template_then_revision_rollout_without_a_failed_request(cluster, checkpoints, capsys, time_bar):
     initial = Target("tA", "r1")
     for group in range(GROUPS):
         for slot in range(2):
@@ -350,7 +350,7 @@ def test_template_then_revision_rollout_without_a_failed_request(cluster, checkp
     assert holders(old_arena) == [], "processes still map or hold the old revision's arena"
 
     seconds = [s for _, _, s in template_switches + revision_switches]
-    assert p99(seconds) <= 1.0
+    time_bar("a rolling upgrade's engine switch, p99", p99(seconds), 1.0, inclusive=True)
     with capsys.disabled():
         print(f"\nrolling upgrades, {GROUPS} groups: {len(records)} requests, 0 failed; switch p50 "
               f"{sorted(seconds)[len(seconds) // 2] * 1e3:.1f} ms, p99 {p99(seconds) * 1e3:.1f} ms "

@@ -49,7 +49,7 @@ def flood(command: dict) -> dict:
 
 
 @needs_root
-def test_concurrent_hostile_frames_keep_the_agent_small_and_attaches_fast(model, disk, capsys):
+def test_concurrent_hostile_frames_keep_the_agent_small_and_attaches_fast(model, disk, capsys, time_bar):
     base = agent_dir()
     # Room for every frame at once: the bound under test is the frame's, not the uid's share of connections.
     agent = open_agent(model, base, "agent", "--max-pending", "128", "--max-pending-per-uid", "128",
@@ -90,7 +90,8 @@ def test_concurrent_hostile_frames_keep_the_agent_small_and_attaches_fast(model,
                   f"meanwhile, slowest {max(latencies) * 1e3:.0f} ms")
         assert not errors, errors
         assert peak < 512 * 1024, f"the agent's RSS peaked at {peak / 1024:.0f} MiB"
-        assert latencies and max(latencies) < 1.0, f"an attach took {max(latencies):.2f}s during the flood"
+        assert latencies
+        time_bar("the slowest attach during the frame flood", max(latencies), 1.0)
         assert len(codes) == FRAMES * ROUNDS
         refused = [c for c in codes if c.startswith("protocol: frame body has too many elements")]
         assert len(refused) == len(codes), sorted(set(codes))[:5]

@@ -78,9 +78,9 @@ def timed_get(node: Node, path: str, token: str | None = None) -> tuple[int, Any
         conn.close()
 
 
-def test_a_thousand_slow_connections_cost_no_threads_and_probes_still_answer(node, disk):
+def test_a_thousand_slow_connections_cost_no_threads_and_probes_still_answer(node, disk, time_bar):
     before = threads(node.proc.pid)
-    slow = []
+    slow, tooks = [], []
     try:
         for i in range(1000):
             s = socket.create_connection(("127.0.0.1", node.port), timeout=5)
@@ -88,12 +88,15 @@ def test_a_thousand_slow_connections_cost_no_threads_and_probes_still_answer(nod
             slow.append(s)
             if i % 100 == 99:
                 code, body, took = timed_get(node, "/healthz")
-                assert code == 200 and body["ok"] and took < 1.0, (i, code, body, took)
+                assert code == 200 and body["ok"], (i, code, body, took)
+                tooks.append(took)
         time.sleep(0.5)
         assert threads(node.proc.pid) <= before + 2, "threads grew with slow connections"
         for _ in range(5):
             code, _, took = timed_get(node, "/healthz")
-            assert code == 200 and took < 1.0, took
+            assert code == 200, code
+            tooks.append(took)
+        time_bar("the slowest /healthz among 1,000 slow connections", max(tooks), 1.0)
         # A well-behaved engine attaches and reads the right bytes meanwhile.
         status = node.status()
         right_bytes(SimpleNamespace(model=node.model, socket=status["ranks"][0]["socket"]), disk)
