@@ -18,8 +18,8 @@ SGLang's CPU engine needs sgl-kernel's CPU build; without it SGLang builds its l
 whose rotary embedding takes one kernel from vLLM when CUDA is absent: a placeholder stands for it
 here, never called (no forward pass runs); with TP 2 the groups are gloo's alone (no NCCL on CPU).
 Where torchvision does not load (CI's environment pairs SGLang with torch's CPU build, for which no
-package index reachable here has a torchvision), a placeholder stands for the one function SGLang
-imports from it at start (`torchvision.io`'s image decoding, for images: never called on this path).
+package index reachable here has a torchvision), placeholders stand for its modules: SGLang and
+transformers import its image decoding and transforms at start, and nothing on this path calls them.
 """
 from __future__ import annotations
 
