@@ -216,7 +216,12 @@ def test_the_readme_vllm_commands_serve_and_one_agent_serves_vllm_the_reference_
             assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken: the README's servers need it"
     log_path = tmp_path / "out.log"
     # `python` and `weightcache` are the vLLM environment's; the demo's checkpoint goes under the test's cache
-    env = vllm_env(PATH=f"{os.path.dirname(VLLM_PYTHON)}:{os.environ['PATH']}", XDG_CACHE_HOME=str(tmp_path / "cache"))
+    # vLLM's own cache stays where the suite's other vLLM processes keep it: what it caches about a model
+    # class there spares its server a process that imports vLLM again to inspect the class
+    vllm_cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "vllm")
+    env = vllm_env(PATH=f"{os.path.dirname(VLLM_PYTHON)}:{os.environ['PATH']}", XDG_CACHE_HOME=str(tmp_path / "cache"),
+                   VLLM_CACHE_ROOT=vllm_cache)
     env.pop("VLLM_CPU_OMP_THREADS_BIND")  # one engine: vLLM's own thread binding
     with open(log_path, "w") as log_file:
         shell = subprocess.Popen(["bash", "-c", script], stdout=log_file, stderr=subprocess.STDOUT, env=env,
