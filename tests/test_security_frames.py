@@ -91,7 +91,12 @@ def test_concurrent_hostile_frames_keep_the_agent_small_and_attaches_fast(model,
         assert not errors, errors
         assert peak < 512 * 1024, f"the agent's RSS peaked at {peak / 1024:.0f} MiB"
         assert latencies
-        time_bar("the slowest attach during the frame flood", max(latencies), 1.0)
+        # An agent that parsed hostile frames ahead of engines would hold every attach behind a round of 64
+        # frames: the median shows that; one slow attach while two loaded cores also run the rest of the
+        # suite does not (1.75 s seen in CI), so the slowest has the bound of a hang, not of a quiet machine.
+        latencies.sort()
+        time_bar("the median attach during the frame flood", latencies[len(latencies) // 2], 1.0)
+        time_bar("the slowest attach during the frame flood", latencies[-1], 5.0)
         assert len(codes) == FRAMES * ROUNDS
         refused = [c for c in codes if c.startswith("protocol: frame body has too many elements")]
         assert len(refused) == len(codes), sorted(set(codes))[:5]
