@@ -182,7 +182,7 @@ class Engine:
     """One vLLM OpenAI server, a process session of its own, its log in a file."""
 
     def __init__(self, name: str, model: str, workdir: str, fmt: str, sock: str, kv_bytes: int,
-                 role: str | None = None):
+                 role: str | None = None, extra: tuple[str, ...] = ()):
         self.name, self.fmt, self.role = name, fmt, role
         self.port = free_port()
         self.log_path = os.path.join(workdir, f"{name}.log")
@@ -197,6 +197,7 @@ class Engine:
         if fmt == "weightcache":
             args += ["--load-format", "weightcache", "--model-loader-extra-config",
                      json.dumps({"socket": sock, "fallback": False})]
+        args += list(extra)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    **compile_caches(workdir))
         if role:
@@ -231,6 +232,19 @@ class Engine:
             return True, json.loads(answer)["choices"][0]["text"]
         except (OSError, http.client.HTTPException, ValueError, KeyError) as e:
             return False, f"{type(e).__name__}: {e}"
+        finally:
+            conn.close()
+
+    def decode_rate(self, tokens: int = 256) -> float:
+        """Tokens per second of one greedy completion of `tokens` tokens (EOS ignored), one request alone."""
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True})
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            t = time.perf_counter()
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            response = conn.getresponse()
+            response.read()
+            return tokens / (time.perf_counter() - t) if response.status == 200 else float("nan")
         finally:
             conn.close()
 
@@ -443,7 +457,9 @@ def startup_table(runs: dict[str, list[dict]], cold: dict[str, dict], size: int,
         "",
         f"Each start, seconds to first token: default {[round(r['seconds'], 2) for r in runs['auto']]}, weightcache "
         f"{[round(r['seconds'], 2) for r in runs['weightcache']]}; with the compile caches emptied: default "
-        f"{cold['auto']['seconds']:.2f} s, weightcache {cold['weightcache']['seconds']:.2f} s.",
+        f"{cold['auto']['seconds']:.2f} s, weightcache {cold['weightcache']['seconds']:.2f} s. Decode, one request "
+        f"of 256 tokens alone (median): default {median([r['decode_tokens_per_s'] for r in runs['auto']]):.1f} "
+        f"tokens/s, weightcache {median([r['decode_tokens_per_s'] for r in runs['weightcache']]):.1f} tokens/s.",
         f"Greedy completion of {PROMPT!r} (16 tokens) from the compiled kernels in the compile cache, {len(warm)} "
         "runs: "
         + (f"the same from both loaders in every run ({reference!r})." if same else
@@ -476,16 +492,17 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
             engine = Engine(f"start-{fmt}-{t}", model, work, fmt, sock, kv)
             seconds = engine.first_token()
             ok, text = engine.complete(max_tokens=16)
+            rate = engine.decode_rate()
             opens = sum(n for name, n in counter.take().items() if name.endswith(".safetensors"))
             log_text = engine.text()
             attached = ATTACHED.search(log_text)
             engine.stop()
             run = {"seconds": seconds, "load_phase": engine.load_phase(), "model_loading": engine.model_loading(),
-                   "loader_line": engine.loader_line(),
+                   "loader_line": engine.loader_line(), "decode_tokens_per_s": rate,
                    "opens": opens, "text": text if ok else None,
                    "views": attached[1] if attached else None, "copied": attached[2] if attached else None}
             log(f"{fmt} trial {t}: first token {seconds:.2f}s, load phase {run['load_phase']}, opens {opens}, "
-                f"views {run['views']}, copied {run['copied']}, text {text!r}")
+                f"views {run['views']}, copied {run['copied']}, decode {rate:.1f} tokens/s, text {text!r}")
             if not ok:
                 raise SystemExit(f"{engine.name}: completion failed: {text}")
             if t == 0:
@@ -494,6 +511,58 @@ def startup_phase(model: str, work: str, sock: str, size: int, trials: int, kv: 
                 runs[fmt].append(run)
     lines, same = startup_table(runs, cold, size, trials)
     return lines, {"runs": runs, "compile_cold": cold, "same": same}
+
+
+def common_prefix(a: list[str], b: list[str]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def agent_fp8_phase(work: str, shape: LlamaShape, kv: int) -> tuple[list[str], dict]:
+    """A bf16 checkpoint quantized by the agent (`--quantization fp8-block`), vLLM told by `--hf-overrides`,
+    against vLLM's own online FP8 of the same checkpoint (`--quantization fp8`) and vLLM's bf16."""
+    from weightcache_agent.integrations.vllm_fp8 import HF_OVERRIDES
+
+    model = os.path.join(work, "llama-bf16")
+    make_checkpoint(model, shape)  # the same seed: the weights the FP8 checkpoint was quantized from
+    sock = os.path.join(work, "agent-fp8-block.sock")
+    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu", "--quantization", "fp8-block")
+    agent.ready()
+    cases = [("weightcache, agent's fp8-block", "weightcache", ("--hf-overrides", json.dumps(HF_OVERRIDES))),
+             ("vLLM default loader, --quantization fp8 (vLLM's online FP8)", "auto", ("--quantization", "fp8")),
+             ("vLLM default loader, bf16", "auto", ())]
+    rows, data = [], []
+    try:
+        for i, (label, fmt, extra) in enumerate(cases):
+            engine = Engine(f"aq-{i}", model, work, fmt, sock, kv, extra=extra)
+            seconds = engine.first_token()
+            ok, text = engine.complete(max_tokens=16)
+            attached = ATTACHED.search(engine.text())
+            engine.stop()
+            if not ok:
+                raise SystemExit(f"{engine.name}: completion failed: {text}")
+            data.append({"case": label, "seconds": seconds, "text": text,
+                         "views": attached[1] if attached else None, "copied": attached[2] if attached else None})
+            log(f"{label}: first token {seconds:.2f}s, {text!r}")
+    finally:
+        agent.stop()
+    reference = data[-1]["text"].split()
+    for d in data:
+        rows.append(f"| {d['case']} | {d['seconds']:.2f} s | {d['views'] or '-'} / {d['copied'] or '-'} | "
+                    f"{common_prefix(d['text'].split(), reference)} of 16 | `{d['text'].strip()}` |")
+    same_as_vllm_fp8 = common_prefix(data[0]["text"].split(), data[1]["text"].split())
+    lines = ["The same random bf16 weights; greedy completion of 16 tokens; each engine a fresh process with the "
+             "compile cache of this run.", "",
+             "| engine | process start -> first token | arena views / copied | tokens equal to bf16's (prefix) | "
+             "tokens |", "| --- | ---: | --- | ---: | --- |", *rows, "",
+             f"The agent's block FP8 and vLLM's online FP8 agree on the first {same_as_vllm_fp8} of 16 tokens: "
+             "different quantizers (128x128 blocks with power-of-two scales against one scale per tensor), so "
+             "near-ties in random weights' logits may tip differently.",
+             bars_line({"served from the arena, 0 B copied": bool(data[0]["copied"]) and
+                        data[0]["copied"].startswith("0 B")})]
+    return lines, {"cases": data}
 
 
 def memory_phase(model: str, work: str, sock: str, kv: int) -> tuple[list[str], dict]:
@@ -647,7 +716,7 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=5, help="standbys starting at once (default 5)")
     p.add_argument("--kv-gib", type=float, default=8 if CUDA else 0.0625, help="KV cache per engine, failover")
     p.add_argument("--memory-kv-gib", type=float, default=32 if CUDA else 0.25, help="KV cache per engine, memory")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: startup,memory,failover")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: startup,memory,failover,agentfp8")
     p.add_argument("--fp8", action="store_true", help="the checkpoint in block FP8 (DeepSeek-V3's form): every phase "
                    "on it; VLLM_USE_DEEP_GEMM=0 in the environment runs vLLM's CUTLASS block-FP8 kernel instead")
     p.add_argument("--dir", default=None, help="where the checkpoint and logs go (default: a temporary directory)")
@@ -681,6 +750,9 @@ def main() -> int:
         "failover": ("Failover and a planned switchover under OpenAI traffic",
                      lambda: failover_phase(model, work, sock, int(args.kv_gib * GIB), args.failovers, args.batch)),
     }
+    if args.fp8:
+        phases["agentfp8"] = ("A bf16 checkpoint quantized by the agent against vLLM's own FP8",
+                              lambda: agent_fp8_phase(work, llama_shape(args.layers, h), int(args.kv_gib * GIB)))
     failed = 0
     try:
         for name, (title, run) in phases.items():

@@ -8,7 +8,8 @@
 #                                         outside the checkout, where the next call finds it
 #   bench/vllm_gpu.sh run [ARGS]          there: joins and unpacks the parts, installs this checkout
 #                                         beside vLLM (its plugin entry point), runs bench/vllm_gpu.py ARGS
-#   bench/vllm_gpu.sh start [ARGS]        there: the same in the background (setsid), log in $PARTS/run.log;
+#   bench/vllm_gpu.sh start [ARGS]        there: the same in the background (setsid), log in $PARTS/run.log
+#                                         ($WEIGHTCACHE_BENCH names another script: bench/vllm_startup.py);
 #   bench/vllm_gpu.sh wait [SECONDS]      then wait for it (at most SECONDS), copying its tables to $OUT
 #   bench/vllm_gpu.sh profile [ARGS]      there: bench/vllm_load_profile.py ARGS (where model loading's time goes)
 set -euo pipefail
@@ -17,6 +18,7 @@ PACK=.vllm-gpu
 PARTS=${WEIGHTCACHE_VLLM_PARTS:-/root/vllm-gpu-parts}
 SITE=${WEIGHTCACHE_VLLM_SITE:-/tmp/vllm-site}
 OUT=${OUT:-/tmp/wc-out}
+BENCH=${WEIGHTCACHE_BENCH:-bench/vllm_gpu.py}
 
 pack() {
   local tmp; tmp=$(mktemp -d)
@@ -68,14 +70,15 @@ case "${1:-}" in
   profile) mkdir -p "$OUT"; install; shift; python3 bench/vllm_load_profile.py --out "$OUT" "$@" ;;
   start)
     mkdir -p "$OUT"; install; shift
-    setsid nohup python3 bench/vllm_gpu.py --out "$PARTS/out" --dir /tmp/wc-vllm-gpu "$@" > "$PARTS/run.log" 2>&1 &
+    rm -rf "$PARTS/out"
+    setsid nohup python3 "$BENCH" --out "$PARTS/out" --dir /tmp/wc-vllm-gpu "$@" > "$PARTS/run.log" 2>&1 &
     echo "started: $PARTS/run.log" ;;
   wait)
     deadline=$(( $(date +%s) + ${2:-540} ))
-    while pgrep -f bench/vllm_gpu.py >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
+    while pgrep -f "$BENCH" >/dev/null && [ "$(date +%s)" -lt "$deadline" ]; do sleep 5; done
     mkdir -p "$OUT"; cp "$PARTS"/run.log "$PARTS"/out/* "$OUT"/ 2>/dev/null || true
     (cd /tmp/wc-vllm-gpu && tar -czf "$OUT/logs.tgz" -- *.log) 2>/dev/null || true
     tail -40 "$PARTS/run.log"
-    pgrep -f bench/vllm_gpu.py >/dev/null && echo "still running" || echo "finished" ;;
+    pgrep -f "$BENCH" >/dev/null && echo "still running" || echo "finished" ;;
   *) sed -n 2,14p "$0"; exit 2 ;;
 esac

@@ -1,0 +1,249 @@
+"""vLLM's start-up, phase by phase: what a new engine waits for between its process starting and its
+first token, with the node's compile cache cold and warm, and each idea to shorten it measured.
+
+Weights cost milliseconds once an agent holds them (bench/vllm_gpu.py); what is left of an engine's
+start is vLLM's own. Every engine here is a fresh `python3 -m vllm.entrypoints.openai.api_server
+--load-format weightcache` process beside one agent (cuda backend, the synthetic Llama of
+bench/vllm_gpu.py). Its log is read as vLLM writes it and each line stamped with this process's clock
+(vLLM's own timestamps have whole seconds), so a phase is the span between two of vLLM's lines:
+
+  imports                  process start -> vLLM's banner (the API server has imported vLLM)
+  configuration            -> "Resolved architecture" (the model's config; vLLM inspects the model
+                              class in a child process unless its cache under VLLM_CACHE_ROOT knows it)
+  engine core start        -> "Initializing a V1 LLM engine" (a new process: imports again, CUDA)
+  model runner set-up      -> "Loading model from scratch" (distributed state, the runner)
+  model build + weights    -> "Model loading took" (the model built, the arena attached)
+  torch.compile            -> "torch.compile took" (Dynamo, then Inductor or its cached artifacts)
+  profiling, KV cache      -> "GPU KV cache size"
+  CUDA graph capture       -> "Graph capturing finished"
+  rest of engine start     -> "init engine (profile, ...) took" (warm-up runs, the sampler)
+  API server ready         -> "Application startup complete"
+  first token              -> the first completion token answered (polled every 20 ms)
+
+The node cache is one folder holding vLLM's cache root (VLLM_CACHE_ROOT: torch.compile's artifacts,
+the model-class inspection), Inductor's (TORCHINDUCTOR_CACHE_DIR) and Triton's (TRITON_CACHE_DIR):
+what the operator mounts into every engine pod of a node (docs/engineset.md, "Compile cache").
+Variants, each a fresh process:
+  cold                     the node cache emptied first (a node that never ran this model)
+  warm                     the node cache as the cold start left it (twice)
+  warm, no AOT artifact    VLLM_USE_AOT_COMPILE=0: Dynamo traces again, Inductor's graphs from cache
+  warm, CUDA graphs [1]    one CUDA-graph size (a standby's first requests are few); started twice,
+                           the second counted (its own compile-cache key)
+  warm, eager              --enforce-eager: no torch.compile, no CUDA graphs (decode speed reported)
+  import only              `python3 -c "import vllm.entrypoints.openai.api_server"`: the most an engine
+                           process started ahead of need (imported, no CUDA yet) could save
+  replacement standby      a group's primary serving, its standby sleeping; the primary SIGKILLed, a
+                           new standby started at once: kill -> the new standby attached and sleeping
+
+Usage (vLLM importable by this python): python3 bench/vllm_startup.py [--layers 24 --hidden 4096]
+    [--out DIR]        (on the H200: WEIGHTCACHE_BENCH=bench/vllm_startup.py bench/vllm_gpu.sh start)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import vllm_gpu  # noqa: E402
+from vllm_gpu import CUDA, GIB, Engine, Leases, AgentProcess, log, make_checkpoint, llama_shape  # noqa: E402
+from report import bars_line, report  # noqa: E402
+
+PHASES = [
+    ("imports", re.compile(r"version \d+\.\d+")),
+    ("configuration", re.compile(r"Resolved architecture")),
+    ("engine core start", re.compile(r"Initializing a V1 LLM engine")),
+    ("model runner set-up", re.compile(r"Loading model from scratch|Starting to load model")),
+    ("model build + weights", re.compile(r"Model loading took")),
+    ("torch.compile", re.compile(r"torch\.compile took")),
+    ("profiling, KV cache", re.compile(r"GPU KV cache size")),
+    ("CUDA graph capture", re.compile(r"Graph capturing finished")),
+    ("rest of engine start", re.compile(r"init engine \(profile")),
+    ("API server ready", re.compile(r"Application startup complete")),
+]
+
+
+class StampedLog:
+    """Stamps each line of an engine's log file with this process's clock as it appears (polled every 5 ms)."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.lines = engine, []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._follow, daemon=True)
+        self.thread.start()
+
+    def _follow(self) -> None:
+        with open(self.engine.log_path, errors="replace") as f:
+            partial = ""
+            while not self.done.is_set():
+                chunk = f.read()
+                if not chunk:
+                    time.sleep(0.005)
+                    continue
+                now = time.perf_counter() - self.engine.started
+                partial += chunk
+                *whole, partial = re.split(r"[\r\n]", partial)
+                self.lines += [(now, line) for line in whole if line]
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join(5)
+
+    def phases(self, first_token: float) -> dict[str, float]:
+        """Each phase's seconds: from the previous marker found to its own (a phase whose marker never came,
+        e.g. torch.compile in eager mode, is absent and its time is counted in the next one found)."""
+        out, previous, start = {}, 0.0, 0
+        for name, marker in PHASES:
+            for k in range(start, len(self.lines)):
+                if marker.search(self.lines[k][1]):
+                    out[name] = self.lines[k][0] - previous
+                    previous, start = self.lines[k][0], k + 1
+                    break
+        out["first token"] = first_token - previous
+        return out
+
+
+def node_cache(work: str) -> str:
+    return os.path.dirname(vllm_gpu.compile_caches(work)["VLLM_CACHE_ROOT"])
+
+
+def start_engine(name: str, model: str, work: str, sock: str, kv: int, env: dict[str, str] | None = None,
+                 extra: tuple[str, ...] = (), role: str | None = None) -> tuple[Engine, StampedLog]:
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # Engine passes this process's environment on
+    try:
+        engine = Engine(name, model, work, "weightcache", sock, kv, role=role, extra=extra)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return engine, StampedLog(engine)
+
+
+def timed_start(name: str, model: str, work: str, sock: str, kv: int, **kw) -> dict:
+    engine, stamped = start_engine(name, model, work, sock, kv, **kw)
+    try:
+        seconds = engine.first_token()
+        rate = engine.decode_rate()
+    finally:
+        stamped.stop()
+        engine.stop()
+    phases = stamped.phases(seconds)
+    log(f"{name}: first token {seconds:.2f} s, decode {rate:.1f} tokens/s, " +
+        ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+    return {"name": name, "seconds": seconds, "decode_tokens_per_s": rate, "phases": phases}
+
+
+def import_only() -> float:
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import vllm.entrypoints.openai.api_server"], check=True,
+                   capture_output=True)
+    return time.perf_counter() - t
+
+
+def replacement_standby(model: str, work: str, sock: str, kv: int) -> dict:
+    """A primary and a sleeping standby; the primary killed and a new standby started at once."""
+    leases = Leases(sock)
+    primary, _ = start_engine("rs-primary", model, work, sock, kv, role="primary")
+    primary.first_token()
+    standby, _ = start_engine("rs-standby", model, work, sock, kv, role="standby")
+    first_standby = standby.warm_standby()
+    t_kill = time.perf_counter()
+    primary.kill()
+    replacement, stamped = start_engine("rs-replacement", model, work, sock, kv, role="standby")
+    replacement.warm_standby()
+    sleeping = time.perf_counter() - t_kill
+    promoted = leases.role_of(standby)
+    stamped.stop()
+    for engine in (replacement, standby, primary):
+        engine.stop()
+    log(f"replacement standby: kill -> new standby sleeping {sleeping:.2f} s (first standby {first_standby:.2f} s)")
+    return {"kill_to_new_standby_sleeping": sleeping, "first_standby_start_to_sleeping": first_standby,
+            "old_standby_role_after": promoted, "replacement_phases": stamped.phases(sleeping)}
+
+
+def table(runs: list[dict]) -> list[str]:
+    names = [n for n, _ in PHASES] + ["first token"]
+    head = "| phase | " + " | ".join(r["name"] for r in runs) + " |"
+    rows = [head, "| --- |" + " ---: |" * len(runs)]
+    for n in names:
+        rows.append(f"| {n} | " + " | ".join(f"{r['phases'][n]:.2f}" if n in r["phases"] else "-" for r in runs) + " |")
+    rows.append("| **process start -> first token** | " + " | ".join(f"**{r['seconds']:.2f}**" for r in runs) + " |")
+    rows.append("| decode, one request of 256 tokens (tokens/s) | " +
+                " | ".join(f"{r['decode_tokens_per_s']:.0f}" for r in runs) + " |")
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", type=int, default=vllm_gpu.LAYERS)
+    p.add_argument("--hidden", type=int, default=vllm_gpu.HIDDEN)
+    p.add_argument("--kv-gib", type=float, default=8 if CUDA else 0.0625)
+    p.add_argument("--dir", default=None)
+    p.add_argument("--out", default=os.path.join(HERE, "out"))
+    args = p.parse_args()
+    import torch
+    import vllm
+
+    work = args.dir or tempfile.mkdtemp(prefix="wc-vllm-startup-")
+    model = os.path.join(work, "llama")
+    size = make_checkpoint(model, llama_shape(args.layers, args.hidden))
+    sock = os.path.join(work, "agent.sock")
+    agent = AgentProcess(model, sock, "cuda" if CUDA else "cpu")
+    agent.ready()
+    kv = int(args.kv_gib * GIB)
+    head = [f"vLLM {vllm.__version__}, torch {torch.__version__}; synthetic Llama {args.layers} layers, hidden "
+            f"{args.hidden}, bf16, {size / GIB:.2f} GiB, `--load-format weightcache`, --kv-cache-memory-bytes "
+            f"{args.kv_gib:g} GiB", ""]
+    data: dict = {}
+    runs: list[dict] = []
+    try:
+        shutil.rmtree(node_cache(work), ignore_errors=True)
+        runs.append(timed_start("cold", model, work, sock, kv))
+        runs += [timed_start(f"warm {i}", model, work, sock, kv) for i in (1, 2)]
+        runs.append(timed_start("warm, no AOT artifact", model, work, sock, kv, env={"VLLM_USE_AOT_COMPILE": "0"}))
+        one_graph = ("--compilation-config", '{"cudagraph_capture_sizes": [1]}')
+        timed_start("CUDA graphs [1], first", model, work, sock, kv, extra=one_graph)
+        runs.append(timed_start("warm, CUDA graphs [1]", model, work, sock, kv, extra=one_graph))
+        runs.append(timed_start("warm, eager", model, work, sock, kv, extra=("--enforce-eager",)))
+        imports = [import_only() for _ in range(2)]
+        data["import_only_s"] = imports
+        data["standby"] = replacement_standby(model, work, sock, kv)
+    finally:
+        data["runs"] = runs
+        agent.stop()
+        for e in vllm_gpu.ENGINES:
+            if e.alive():
+                e.stop()
+    warm = statistics.median(r["seconds"] for r in runs if r["name"].startswith("warm "))
+    s = data["standby"]
+    lines = head + [
+        "Seconds per phase (each ends at the vLLM line named in bench/vllm_startup.py); fresh processes, in order:",
+        "", *table(runs), "",
+        f"Import only (`import vllm.entrypoints.openai.api_server` in a fresh python): "
+        f"{', '.join(f'{x:.2f} s' for x in imports)}: the most a process started ahead of need could take off.",
+        f"Replacement standby: kill of the primary -> a new standby started at once has attached and sleeps: "
+        f"**{s['kill_to_new_standby_sleeping']:.2f} s** (the first standby, started beside a serving primary: "
+        f"{s['first_standby_start_to_sleeping']:.2f} s; the old standby's role afterwards: "
+        f"{s['old_standby_role_after']}).",
+        bars_line({"warm start <= 10 s": warm <= 10.0, "warm start < 5 s": warm < 5.0,
+                   "replacement standby sleeping <= 10 s after the kill": s["kill_to_new_standby_sleeping"] <= 10.0}),
+    ]
+    report(args.out, "vllm_startup", lines, data)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
