@@ -3,9 +3,12 @@ parsing, loader selection and model construction, on the CPU device, with this c
 
     python tests/sglang_driver.py '<json run>'    prints one line `RESULT <json>`
 
+The tests do not start this script once per run: tests/sglang_zygote.py imports it and SGLang's
+modules once, then forks one process per run, which calls `execute` as `main` does here.
 This checkout's `node_agent` is put first on `sys.path`, and a distribution `weightcache` whose
-only metadata is pyproject.toml's `sglang.srt.plugins` entry points is put beside it: SGLang's
-`load_plugins` then finds the plugin as it finds it in an installed weightcache. Runs:
+only metadata is pyproject.toml's `sglang.srt.plugins` entry points is put beside it (in a
+directory that lives as long as the process that made it): SGLang's `load_plugins` then finds the
+plugin as it finds it in an installed weightcache. Runs:
   {"op": "parse", "argv": [...], "plugins": true}   load_plugins (unless false), then
       prepare_server_args(argv): the load format, and the loader SGLang's get_model_loader picks
   {"op": "load", "model": DIR, "dtype": "bfloat16", "extra": {...}, "tp": 1, "rank": 0, "port": N,
@@ -36,19 +39,25 @@ import types
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def plugin_distribution() -> str:
-    """A directory holding a `weightcache` distribution whose entry points are pyproject.toml's SGLang ones."""
+def plugin_distribution(site: str) -> None:
+    """Writes into the directory `site` a `weightcache` distribution: pyproject.toml's SGLang entry points."""
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project = tomllib.load(f)["project"]
     points = project["entry-points"]["sglang.srt.plugins"]
-    site = tempfile.mkdtemp(prefix="wc-sglang-dist-")
     info = os.path.join(site, f"weightcache-{project['version']}.dist-info")
     os.makedirs(info)
     with open(os.path.join(info, "METADATA"), "w") as f:
         f.write(f"Metadata-Version: 2.1\nName: weightcache\nVersion: {project['version']}\n")
     with open(os.path.join(info, "entry_points.txt"), "w") as f:
         f.write("[sglang.srt.plugins]\n" + "".join(f"{k} = {v}\n" for k, v in points.items()))
-    return site
+
+
+def prepare(site: str) -> None:
+    """This process made ready for runs: this checkout's agent first on `sys.path`, the plugin's distribution
+    (written into `site`, which must outlive every run) beside it, placeholders where SGLang's imports need them."""
+    plugin_distribution(site)
+    sys.path[:0] = [os.path.join(ROOT, "node_agent"), site]
+    placeholder_kernels()
 
 
 class Placeholder(types.ModuleType):
@@ -97,7 +106,7 @@ def placeholder_kernels() -> None:
     sys.modules.setdefault("vllm", vllm)
     sys.modules.setdefault("vllm._custom_ops", ops)
     try:
-        import torchvision.io  # noqa: F401
+        importlib.import_module("torchvision.io")
     except (ImportError, RuntimeError):  # a torchvision built for another torch fails registering its ops
         for name in [m for m in sys.modules if m == "torchvision" or m.startswith("torchvision.")]:
             del sys.modules[name]
@@ -265,14 +274,19 @@ def standby(run: dict, lines: Lines) -> dict:
             "released": sglang_standby._standby.released, "lines": lines.lines}
 
 
-def main() -> None:
-    run = json.loads(sys.argv[1])
-    sys.path[:0] = [os.path.join(ROOT, "node_agent"), plugin_distribution()]
-    placeholder_kernels()
+def execute(run: dict) -> None:
+    """One run, in a process that `prepare` made ready and that ends with it: prints `RESULT <json>` last."""
     lines = Lines()
     logging.getLogger("sglang.srt.model_loader.weightcache").addHandler(lines)
     result = {"parse": parse, "load": lambda r: load(r, lines), "standby": lambda r: standby(r, lines)}[run["op"]](run)
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def main() -> None:
+    run = json.loads(sys.argv[1])
+    with tempfile.TemporaryDirectory(prefix="wc-sglang-dist-") as site:
+        prepare(site)
+        execute(run)
     os._exit(0)  # SGLang's process groups and threads: nothing to tear down for a test
 
 

@@ -4,7 +4,8 @@ SGLang lives in its own virtual environment (0.5.17 pins torch 2.11 and transfor
 `$WEIGHTCACHE_SGLANG_PYTHON` names its python, with SGLang installed there (docs/sglang.md, "Tests").
 Without it these tests skip. SGLang has no CPU build usable without sgl-kernel's CPU wheels, so no
 forward pass runs here (bench/sglang_gpu.py serves on the GPU); what runs is SGLang's own code up to
-a loaded model (tests/sglang_driver.py):
+a loaded model (tests/sglang_driver.py, each run a process of its own that tests/sglang_zygote.py
+forks: SGLang is imported once per module, not once per run):
 - the plugin entry point: SGLang's `load_plugins` finds it, its argument parser then takes
   `--load-format weightcache` (and refuses it without the plugin), `get_model_loader` picks the loader;
 - SGLang's Llama (bf16) and Qwen2 (fp32, tied embeddings) built by the loader against real agents
@@ -18,9 +19,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,7 +34,7 @@ from weightcache_agent.testing.synthetic import LlamaShape, qwen2_shape, write_l
 
 SGLANG_PYTHON = os.environ.get("WEIGHTCACHE_SGLANG_PYTHON")
 ROOT = Path(__file__).resolve().parent.parent
-DRIVER = str(ROOT / "tests" / "sglang_driver.py")
+ZYGOTE = str(ROOT / "tests" / "sglang_zygote.py")
 
 # CI builds the environment while the suite runs (.ci/run): tests/sglang_venv.sh's exit status lands here
 SGLANG_READY = os.environ.get("WEIGHTCACHE_SGLANG_READY")
@@ -66,26 +69,130 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def drive(run: dict) -> dict:
-    proc = subprocess.run([SGLANG_PYTHON, DRIVER, json.dumps(run)], capture_output=True, text=True, timeout=600,
-                          env=sglang_env(), cwd=ROOT / "tests")
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and len(results) == 1, f"SGLang driver failed ({proc.returncode}):\n" \
-        f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return results[0]
+class Run:
+    """One run of tests/sglang_driver.py, in the process the zygote forked for it: its pid, its stdout's
+    lines as they come, then its exit status (as subprocess gives one) and the end of its stderr."""
+
+    def __init__(self, zygote: "Zygote", run: dict):
+        self.zygote = zygote
+        self.conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.conn.settimeout(600)
+        self.conn.connect(zygote.path)
+        self.conn.sendall(json.dumps(run).encode() + b"\n")
+        self.out = self.conn.makefile("r", encoding="utf-8", newline="\n")
+        first = self.out.readline()
+        assert first.startswith("PID "), f"no process for the run: {first!r}"
+        self.pid = int(first.split()[1])
+        self.stdout: list[str] = []
+        self.returncode: int | None = None
+        self.stderr = ""
+
+    def __iter__(self) -> Iterator[str]:
+        """stdout's lines until the process ends."""
+        while self.returncode is None:
+            line = self.out.readline()
+            if line.startswith("EXIT "):
+                self.returncode = int(line.split()[1])
+                self.stderr = self.out.read()
+                self.out.close()
+                self.conn.close()
+            elif not line:
+                raise AssertionError(f"the zygote closed the run without its status: {self.zygote.log()}")
+            elif line != "\n":  # the zygote's EXIT begins a line of its own
+                self.stdout.append(line)
+                yield line
+
+    def wait_for(self, prefix: str) -> str:
+        line = next((line for line in self if line.startswith(prefix)), None)
+        assert line is not None, f"no {prefix} line ({self.returncode}):\n{''.join(self.stdout)[-3000:]}\n" \
+            f"{self.stderr[-6000:]}"
+        return line
+
+    def wait(self) -> int:
+        for _ in self:
+            pass
+        return self.returncode
+
+    def results(self) -> list[dict]:
+        return [json.loads(line[len("RESULT "):]) for line in self.stdout if line.startswith("RESULT ")]
+
+    def kill(self) -> None:
+        """SIGKILL, as to any process; only while it is still the zygote's child (its pid not yet reused)."""
+        if self.returncode is not None:
+            return
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except FileNotFoundError:
+            return
+        if int(stat.rpartition(")")[2].split()[1]) == self.zygote.proc.pid:
+            os.kill(self.pid, signal.SIGKILL)
+
+    def close(self) -> None:
+        self.out.close()
+        self.conn.close()
 
 
-def drive_ranks(runs: list[dict]) -> list[dict]:
-    """One driver per tensor-parallel rank, at once (they meet in gloo)."""
-    procs = [subprocess.Popen([SGLANG_PYTHON, DRIVER, json.dumps(run)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=sglang_env(), cwd=ROOT / "tests") for run in runs]
-    out = []
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=600)
-        results = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-        assert proc.returncode == 0 and len(results) == 1, f"rank failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        out.append(results[0])
-    return out
+class Zygote:
+    """tests/sglang_zygote.py under SGLang's python: SGLang imported once, a forked process per run."""
+
+    def __init__(self, log: Path):
+        self.log_path = log
+        with open(log, "w") as err:
+            self.proc = subprocess.Popen([SGLANG_PYTHON, ZYGOTE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=err, text=True, env=sglang_env(), cwd=ROOT / "tests")
+        ready = self.proc.stdout.readline()
+        if not ready.startswith("READY "):
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"SGLang's zygote did not start ({self.proc.returncode}): {self.log()}")
+        self.path = ready[len("READY "):].strip()
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def start(self, run: dict) -> Run:
+        return Run(self, run)
+
+    def drive(self, run: dict) -> dict:
+        proc = self.start(run)
+        proc.wait()
+        results = proc.results()
+        assert proc.returncode == 0 and len(results) == 1, f"SGLang driver failed ({proc.returncode}):\n" \
+            f"{''.join(proc.stdout)[-3000:]}\n{proc.stderr[-6000:]}"
+        return results[0]
+
+    def drive_ranks(self, runs: list[dict]) -> list[dict]:
+        """One run per tensor-parallel rank, at once (they meet in gloo)."""
+        procs = [self.start(run) for run in runs]
+        out = []
+        for proc in procs:
+            proc.wait()
+            results = proc.results()
+            assert proc.returncode == 0 and len(results) == 1, \
+                f"rank failed:\n{''.join(proc.stdout)[-3000:]}\n{proc.stderr[-6000:]}"
+            out.append(results[0])
+        return out
+
+    def stop(self) -> None:
+        """Its stdin closed: it kills what still runs, removes its directory and exits."""
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
+        assert self.proc.returncode == 0, f"SGLang's zygote exited {self.proc.returncode}: {self.log()}"
+        assert not os.path.exists(os.path.dirname(self.path)), f"SGLang's zygote left {os.path.dirname(self.path)}"
+
+
+@pytest.fixture(scope="module")
+def zygote(sglang_environment, tmp_path_factory) -> Iterator[Zygote]:
+    started = Zygote(tmp_path_factory.mktemp("sglang-zygote") / "zygote.log")
+    try:
+        yield started
+    finally:
+        started.stop()
 
 
 class Agent:
@@ -156,28 +263,29 @@ def attached_lines(result: dict) -> list[str]:
     return [message for level, message in result["lines"] if "attached from" in message]
 
 
-def test_the_plugin_entry_point_makes_sglangs_parser_take_the_load_format(models):
+def test_the_plugin_entry_point_makes_sglangs_parser_take_the_load_format(models, zygote):
     argv = ["--model-path", models["llama"], "--load-format", "weightcache", "--model-loader-extra-config",
             json.dumps({"socket": "/run/weightcache/r{rank}.sock"})]
-    found = drive({"op": "parse", "argv": argv})
+    found = zygote.drive({"op": "parse", "argv": argv})
     assert found["load_format"] == "weightcache"
     assert found["loader"] == "weightcache_agent.integrations.sglang_loader.WeightcacheModelLoader"
     assert "read-only arena" in found["repr"]  # what SGLang prints when asked to reload weights from disk
     # without the plugin, the same command line is refused by SGLang's parser
-    assert drive({"op": "parse", "argv": argv, "plugins": False}) == {"exit": 2}
+    assert zygote.drive({"op": "parse", "argv": argv, "plugins": False}) == {"exit": 2}
 
 
-def test_an_unknown_option_is_refused_by_name(models):
+def test_an_unknown_option_is_refused_by_name(models, zygote):
     argv = ["--model-path", models["llama"], "--load-format", "weightcache", "--model-loader-extra-config",
             json.dumps({"sockett": "/tmp/x.sock"})]
-    found = drive({"op": "parse", "argv": argv})
+    found = zygote.drive({"op": "parse", "argv": argv})
     assert "unknown key(s) sockett" in found["error"] and "known: socket, fallback, timeout, revision" in found["error"]
 
 
 @pytest.mark.parametrize("model,dtype,agent", [("llama", "bfloat16", "llama"), ("qwen2", "float32", "qwen2-fp32")])
-def test_every_parameter_is_an_arena_view_equal_to_sglangs_default_loader(models, agents, model, dtype, agent):
-    found = drive({"op": "load", "model": models[model], "dtype": dtype, "port": free_port(), "compare": True,
-                   "extra": {"socket": agents[agent], "fallback": False}})
+def test_every_parameter_is_an_arena_view_equal_to_sglangs_default_loader(models, agents, zygote, model, dtype,
+                                                                         agent):
+    found = zygote.drive({"op": "load", "model": models[model], "dtype": dtype, "port": free_port(), "compare": True,
+                          "extra": {"socket": agents[agent], "fallback": False}})
     assert found["source"] == "agent", found
     assert found["copies"] == [] and found["on_meta"] == [], found
     assert found["same_names"] and found["different"] == [], found
@@ -190,27 +298,27 @@ def test_every_parameter_is_an_arena_view_equal_to_sglangs_default_loader(models
     assert not [m for level, m in found["lines"] if level in ("WARNING", "ERROR")]
 
 
-def test_tensor_parallel_ranks_attach_their_own_agents_and_match_sglangs_shards(models, agents):
+def test_tensor_parallel_ranks_attach_their_own_agents_and_match_sglangs_shards(models, agents, zygote):
     port = free_port()
-    results = drive_ranks([{"op": "load", "model": models["qwen2"], "dtype": "float32", "tp": 2, "rank": r,
-                            "port": port, "compare": True,
-                            "extra": {"socket": agents["qwen2-fp32-r0"].replace("-r0.sock", "-r{rank}.sock"),
-                                      "fallback": False}} for r in (0, 1)])
+    results = zygote.drive_ranks([{"op": "load", "model": models["qwen2"], "dtype": "float32", "tp": 2, "rank": r,
+                                   "port": port, "compare": True,
+                                   "extra": {"socket": agents["qwen2-fp32-r0"].replace("-r0.sock", "-r{rank}.sock"),
+                                             "fallback": False}} for r in (0, 1)])
     for rank, found in enumerate(results):
         assert found["source"] == "agent" and found["copies"] == [] and found["different"] == [], found
         (line,) = attached_lines(found)
         assert f"rank {rank}/2 attached from {agents[f'qwen2-fp32-r{rank}']}" in line
     # each rank holds its own shard: qkv_proj's rows split across the two
-    full = drive({"op": "load", "model": models["qwen2"], "dtype": "float32", "port": free_port(),
-                  "extra": {"socket": agents["qwen2-fp32"]}})
+    full = zygote.drive({"op": "load", "model": models["qwen2"], "dtype": "float32", "port": free_port(),
+                         "extra": {"socket": agents["qwen2-fp32"]}})
     name = "model.layers.0.self_attn.qkv_proj.weight"
     assert results[0]["params"][name][0][0] * 2 == full["params"][name][0][0]
 
 
-def test_a_mismatching_agent_falls_back_to_sglangs_loader_with_one_warning(models, agents):
+def test_a_mismatching_agent_falls_back_to_sglangs_loader_with_one_warning(models, agents, zygote):
     # the agent holds bf16; this engine runs fp32
-    found = drive({"op": "load", "model": models["llama"], "dtype": "float32", "port": free_port(), "compare": True,
-                   "extra": {"socket": agents["llama"]}})
+    found = zygote.drive({"op": "load", "model": models["llama"], "dtype": "float32", "port": free_port(),
+                          "compare": True, "extra": {"socket": agents["llama"]}})
     assert found["source"] == "disk" and found["different"] == [], found
     warnings = [m for level, m in found["lines"] if level == "WARNING"]
     assert len(warnings) == 1, found["lines"]
@@ -218,36 +326,36 @@ def test_a_mismatching_agent_falls_back_to_sglangs_loader_with_one_warning(model
     assert "SGLang's default loader" in warnings[0]
 
 
-def test_no_agent_without_fallback_fails_with_one_line_naming_the_socket(models, tmp_path):
+def test_no_agent_without_fallback_fails_with_one_line_naming_the_socket(models, zygote, tmp_path):
     missing = str(tmp_path / "none.sock")
-    found = drive({"op": "load", "model": models["llama"], "port": free_port(),
-                   "extra": {"socket": missing, "fallback": False}})
+    found = zygote.drive({"op": "load", "model": models["llama"], "port": free_port(),
+                          "extra": {"socket": missing, "fallback": False}})
     assert found["error"].startswith("RuntimeError: weightcache: cannot attach")
     assert missing in found["error"] and "(fallback is off)" in found["error"]
     errors = [m for level, m in found["lines"] if level == "ERROR"]
     assert len(errors) == 1 and missing in errors[0]
 
 
-def test_a_standby_releases_its_kv_cache_when_idle_and_gets_it_back_when_promoted(models, agents):
+def test_a_standby_releases_its_kv_cache_when_idle_and_gets_it_back_when_promoted(models, agents, zygote):
     base = {"op": "standby", "model": models["llama"], "group": "g", "extra": {"socket": agents["llama"]}}
-    primary = subprocess.Popen([SGLANG_PYTHON, DRIVER, json.dumps({**base, "role": "primary", "port": free_port()})],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=sglang_env())
+    primary = zygote.start({**base, "role": "primary", "port": free_port()})
     standby = None
     try:
-        loaded = next(line for line in primary.stdout if line.startswith("LOADED "))
+        loaded = primary.wait_for("LOADED ")
         assert json.loads(loaded[len("LOADED "):])["source"] == "agent"
-        standby = subprocess.Popen([SGLANG_PYTHON, DRIVER, json.dumps({**base, "role": "standby", "port": free_port()})],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sglang_env())
-        next(line for line in standby.stdout if line.startswith("IDLE"))
-        primary.kill()  # the agent promotes the standby at once
-        stdout, stderr = standby.communicate(timeout=120)
+        standby = zygote.start({**base, "role": "standby", "port": free_port()})
+        standby.wait_for("IDLE")
+        primary.kill()  # a real SIGKILL of the primary's process: the agent promotes the standby at once
+        standby.conn.settimeout(120)
+        standby.wait()
     finally:
         primary.kill()
         primary.wait()
-        if standby is not None and standby.poll() is None:
+        if standby is not None and standby.returncode is None:
             standby.kill()
-    (result,) = [json.loads(line[len("RESULT "):]) for line in stdout.splitlines() if line.startswith("RESULT ")]
-    assert result["role"] == "primary", stderr[-3000:]
+            standby.close()
+    (result,) = standby.results()
+    assert result["role"] == "primary", standby.stderr[-3000:]
     # released once while a standby; mapped back once, before the lease's role was seen as primary here
     # (the callback runs before the agent is told, which is before anyone routes here); never released again
     assert [(name, tags) for name, tags, _ in result["calls"]] == [("release", ["kv_cache"]), ("resume", ["kv_cache"])]
