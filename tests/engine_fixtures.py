@@ -7,7 +7,9 @@ name (there is deliberately no conftest.py).
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import time
 from typing import Callable, Iterator
@@ -36,7 +38,9 @@ def qwen2_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def short_run_dir() -> str:
     # Unix socket paths are limited to 107 bytes; pytest's tmp paths can get long.
-    return tempfile.mkdtemp(prefix="wc-test-")
+    path = tempfile.mkdtemp(prefix="wc-test-")
+    atexit.register(shutil.rmtree, path, True)  # the worker's agents are gone by its exit
+    return path
 
 
 @pytest.fixture(scope="module")

@@ -639,7 +639,9 @@ def agent_identity(lab: Lab, namespace: str, node: str, *, name: str | None = No
                  "containers": [{"name": "agent", "image": "ghcr.io/weightcache/agent:0.1.0"}]},
     })
     token = lab.bound_token(namespace, AGENT_SA, name)
-    token_dir = token_dir or Path(tempfile.mkdtemp(prefix="wc-agent-token-"))
+    if token_dir is None:
+        token_dir = Path(tempfile.mkdtemp(prefix="wc-agent-token-"))
+        atexit.register(shutil.rmtree, token_dir, True)
     token_path = token_dir / f"{name}.token"
     token_path.write_text(token)
     return AgentIdentity(namespace, name, pod["metadata"]["uid"], node, token, token_path)

@@ -6,8 +6,10 @@ itself (root). Forked, not spawned: root's interpreter need not be readable by n
 """
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import tempfile
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ def agent_dir() -> str:
     """A directory every uid may traverse: only the socket directory the agent makes decides who gets in."""
     base = tempfile.mkdtemp(prefix="wc-sec-")
     os.chmod(base, 0o755)
+    atexit.register(shutil.rmtree, base, True)  # the worker's agents are gone by its exit
     return base
 
 

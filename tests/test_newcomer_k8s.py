@@ -8,9 +8,11 @@ claim's absence is what the real kube-scheduler says on the agent pod.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib.util
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -61,6 +63,7 @@ def test_kubectl_get_shows_0_and_why_and_failures_are_warning_events(k8s_chart: 
     ns = lab.namespace("newcomer")
     node = DEFAULT_NODES[-1]
     root = Path(tempfile.mkdtemp(prefix="wc-newcomer-"))
+    atexit.register(shutil.rmtree, root, True)
     docs = [
         {"apiVersion": "weightcache.io/v1alpha1", "kind": "WeightCache", "metadata": {"name": "nowhere", "namespace": ns},
          "spec": {"model": {"path": "m"}, "nodeSelector": {NODE_LABEL: "no-such-node"}}},

@@ -15,6 +15,7 @@ import http.client
 import json
 import os
 import pwd
+import shutil
 import signal
 import socket as socket_module
 import subprocess
@@ -68,6 +69,7 @@ def node(tmp_path_factory):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def engine(model: str, socket_dir: str, device: str, pod: str, role: str = "auto", group: str = "ns/chat-0") -> Probe:
