@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 from collections.abc import Mapping
 
 # SOCKET_ROOT: a constant of the API (engine pods mount their cache's directory under it), re-exported here.
@@ -20,6 +21,9 @@ from .api.v1alpha1.weightcache_types import SOCKET_ROOT, SpecError, WeightCacheS
 DEFAULT_AGENT_IMAGE = "ghcr.io/weightcache/agent:0.1.0"
 DEFAULT_PRIORITY_CLASS = "system-node-critical"
 DEFAULT_MODEL_ROOT = "/models"
+# Host directory under which engine pods get their EngineSet's compile cache (see
+# controller/engineset/compile_cache.py): node-local state, so under /var/lib.
+DEFAULT_COMPILE_CACHE_ROOT = "/var/lib/weightcache/compile-cache"
 AGENT_HTTP_PORT = 9464
 
 ENV_PREFIX = "WEIGHTCACHE_"
@@ -99,6 +103,11 @@ class OperatorConfig:
     # A WeightCache's tolerations put privileged agents where they tolerate: those that tolerate
     # the control plane's taint are refused unless the admin allows them.
     allow_control_plane_tolerations: bool = False
+    # Engine pods get a host directory per EngineSet for their compile caches (torch.compile,
+    # Triton, DeepGEMM, FlashInfer), so an engine after the first on a node starts warm. Off: no
+    # engine pod gets one, whatever its EngineSet says.
+    compile_cache: bool = True
+    compile_cache_root: str = DEFAULT_COMPILE_CACHE_ROOT
     # How often each WeightCache's agents are polled for their state (seconds).
     poll_interval: float = 15.0
     # Per-request timeout when reading an agent's /status (seconds).
@@ -145,6 +154,10 @@ class OperatorConfig:
             kwargs["model_paths_shared"] = tuple(s.strip().strip("/") for s in v.split(",") if s.strip().strip("/"))
         if (v := get("AGENT_ALLOW_CONTROL_PLANE")) is not None:
             kwargs["allow_control_plane_tolerations"] = _env_bool(v)
+        if (v := get("COMPILE_CACHE")) is not None:
+            kwargs["compile_cache"] = _env_bool(v)
+        if (v := get("COMPILE_CACHE_ROOT")):
+            kwargs["compile_cache_root"] = v.strip()
         if (v := get("POLL_INTERVAL")):
             kwargs["poll_interval"] = _env_seconds(ENV_PREFIX + "POLL_INTERVAL", v)
         if (v := get("AGENT_HTTP_TIMEOUT")):
@@ -164,6 +177,7 @@ class OperatorConfig:
             raise ValueError(f"bad image pull policy: {self.agent_image_pull_policy!r}")
         if not self.model_root.startswith("/"):
             raise ValueError(f"model root must be an absolute host path: {self.model_root!r}")
+        self._check_compile_cache_root()
         if not (0.5 <= self.poll_interval <= 3600):
             raise ValueError(f"poll interval out of range (0.5..3600 s): {self.poll_interval}")
         if not (0.1 <= self.agent_http_timeout <= 60):
@@ -177,6 +191,17 @@ class OperatorConfig:
                 raise ValueError(f"shared model path {prefix!r} must be a path relative to the model root, "
                                  "without '..'")
         return self
+
+    def _check_compile_cache_root(self) -> None:
+        # Engines write there and load what they find as code: the root must be a directory of its
+        # own, never the node's root, the agents' socket root or the model root (or above them).
+        root = self.compile_cache_root
+        if not root.startswith("/") or posixpath.normpath(root) != root.rstrip("/") or root.rstrip("/") == "":
+            raise ValueError(f"compile cache root must be an absolute, normalized host path other than /: {root!r}")
+        for other, what in ((SOCKET_ROOT, "the agents' socket root"), (self.model_root, "the model root")):
+            a, b = posixpath.normpath(root), posixpath.normpath(other)
+            if a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/"):
+                raise ValueError(f"compile cache root {root!r} overlaps {what} {other!r}")
 
     def agent_image_for(self, requested: str | None) -> str:
         """The image a WeightCache's agents run: the default, or its spec.agent.image where the

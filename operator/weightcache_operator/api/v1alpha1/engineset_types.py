@@ -52,6 +52,9 @@ class EngineSetSpec:
     runtime_class: str = DEFAULT_RUNTIME_CLASS
     drain_seconds: int = 30
     progress_deadline: int = 600
+    # spec.compileCache.enabled: a host directory on the node for the engines' compile caches
+    # (controller/engineset/compile_cache.py), unless the cluster admin has turned it off.
+    compile_cache: bool = True
 
     @property
     def slots(self) -> int:
@@ -141,6 +144,13 @@ def parse_engineset(name: str, spec: Mapping[str, Any]) -> EngineSetSpec:
     if not isinstance(runtime_class, str) or not _DNS_SUBDOMAIN.match(runtime_class):
         raise SpecError("InvalidGpuBinding", f"spec.gpuBinding.runtimeClassName {runtime_class!r} is not a RuntimeClass name")
 
+    compile_cache = spec.get("compileCache") or {}
+    if not isinstance(compile_cache, Mapping):
+        raise SpecError("InvalidSpec", "spec.compileCache must be an object")
+    enabled = compile_cache.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise SpecError("InvalidSpec", f"spec.compileCache.enabled must be true or false, got {enabled!r}")
+
     return EngineSetSpec(
         cache_name=cache,
         template=_template(spec.get("template")),
@@ -154,6 +164,7 @@ def parse_engineset(name: str, spec: Mapping[str, Any]) -> EngineSetSpec:
         runtime_class=runtime_class,
         drain_seconds=_int("drainSeconds", spec.get("drainSeconds"), 30, 0, 3600),
         progress_deadline=_int("progressDeadlineSeconds", spec.get("progressDeadlineSeconds"), 600, 10, 86400),
+        compile_cache=enabled,
     )
 
 

@@ -24,6 +24,7 @@ from ..weightcache.manifests import model_dir
 from ..weightcache.manifests import selector_labels as agent_selector_labels
 from ..weightcache.rollup import node_replicas
 from ..weightcache.transition import holds_for_memory, model_of
+from .compile_cache import check_template_host_paths
 from .leases import PodRef, pod_roles, primaries, unnamed_leases
 from .placement import Replica
 from .pods import meta
@@ -125,6 +126,7 @@ def view_from_agents(state: CacheState, raw: Sequence[Mapping[str, Any]], agents
 
 async def cache_view(api: KubeApi, config: OperatorConfig, namespace: str, es: EngineSetSpec) -> CacheView:
     """Read the WeightCache and ask its agents for ``/status``: the view one pass works from."""
+    check_template_host_paths(es, config)  # the compile cache's root is the operator's alone
     state = await asyncio.to_thread(read_cache, api, namespace, es)
     raw, agents, answers = await ask_agents(api, namespace, agent_selector_labels(es.cache_name),
                                             config.agent_http_timeout,

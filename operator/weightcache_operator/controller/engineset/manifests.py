@@ -15,7 +15,8 @@ docs/engineset.md. What one EngineSet ``<ns>/<name>`` becomes:
     environment, the cache's socket directory (read-only: connecting works, replacing
     the socket, lock or state files does not) and model root, the pod's identity token
     (a projected service-account token with audience ``weightcache.io``, which the
-    agent verifies at attach), and the labels the Service selects on. Names never
+    agent verifies at attach), the EngineSet's compile cache on the node
+    (compile_cache.py), and the labels the Service selects on. Names never
     encode a role: the agent decides who is primary;
 - Service ``spec.service.name`` (default ``<name>``): the pods of this EngineSet
   labelled ``weightcache.io/serving=true``, one per group.
@@ -43,6 +44,15 @@ from ..weightcache.manifests import (
     content_hash,
     model_dir,
     socket_dir,
+)
+from .compile_cache import (
+    COMPILE_CACHE_MOUNT,
+    COMPILE_CACHE_VOLUME,
+    compile_cache_dir,
+    compile_cache_env,
+    compile_cache_mount,
+    compile_cache_volume,
+    container_may_write,
 )
 from .placement import Placement
 
@@ -109,6 +119,11 @@ def template_hash(es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig
         "models": [cs.model_pvc, config.model_root if cs.model_pvc is None else None],
         # A new model (path or revision) is a new pod: rolled like a new template.
         "model": [model_dir(cs), cs.revision],
+        # The compile cache's directory is not hashed: it only makes a start faster, so neither an
+        # operator upgrade that adds it nor a new root moves running pods (new pods get it). Turning
+        # it off for an EngineSet does roll it (pods that cannot write the cache are replaced, make
+        # before break); the key is present only when off, so existing EngineSets keep their hash.
+        **({"compileCache": False} if not es.compile_cache else {}),
     })
 
 
@@ -188,7 +203,8 @@ def _env(es: EngineSetSpec, cs: WeightCacheSpec, namespace: str, name: str, p: P
 
 
 # The operator's own volumes in an engine pod: a template's entries of these names are replaced.
-OUR_VOLUMES = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME, SHARDING_VOLUME)
+OUR_VOLUMES = (SOCKET_VOLUME, MODEL_VOLUME, IDENTITY_VOLUME, SHARDING_VOLUME, COMPILE_CACHE_VOLUME)
+OUR_MOUNT_PATHS = (MODEL_MOUNT, IDENTITY_MOUNT, SHARDING_MOUNT, COMPILE_CACHE_MOUNT)
 
 
 def _pod_metadata(es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig, template: Mapping[str, Any],
@@ -218,13 +234,17 @@ def _our_mounts(cs: WeightCacheSpec, sockets: str) -> list[dict[str, Any]]:
 
 
 def _engine_container(container: Mapping[str, Any], es: EngineSetSpec, env: list[dict[str, Any]],
-                      mounts: list[dict[str, Any]], sockets: str) -> dict[str, Any]:
-    """One of the template's containers with our environment and mounts, and the GPUs bound our way."""
+                      mounts: list[dict[str, Any]], sockets: str, compile_cache: bool) -> dict[str, Any]:
+    """One of the template's containers with our environment and mounts, and the GPUs bound our way;
+    with the compile cache's mount and the variables of it the template does not set (``compile_cache``)."""
     c = dict(container)
     c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + env
     c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
                          if m.get("name") not in OUR_VOLUMES
-                         and m.get("mountPath") not in (sockets, MODEL_MOUNT, IDENTITY_MOUNT, SHARDING_MOUNT)] + mounts
+                         and m.get("mountPath") not in (sockets, *OUR_MOUNT_PATHS)] + mounts
+    if compile_cache:
+        c["env"] += compile_cache_env(container)
+        c["volumeMounts"].append(compile_cache_mount())
     resources = _strip_gpu_resource(c.get("resources") or {})
     if es.mode == "dra":
         claims = [x for x in resources.get("claims") or [] if x.get("name") != CLAIM_REF]
@@ -237,7 +257,7 @@ def _engine_container(container: Mapping[str, Any], es: EngineSetSpec, env: list
 
 
 def _pod_volumes(spec: Mapping[str, Any], es: EngineSetSpec, cs: WeightCacheSpec, config: OperatorConfig,
-                 sockets: str) -> list[dict[str, Any]]:
+                 sockets: str, compile_dir: str | None) -> list[dict[str, Any]]:
     """The template's volumes, ours replacing any of the same names."""
     if cs.model_pvc is not None:
         models: dict[str, Any] = {"name": MODEL_VOLUME,
@@ -255,6 +275,8 @@ def _pod_volumes(spec: Mapping[str, Any], es: EngineSetSpec, cs: WeightCacheSpec
     ]
     if cs.sharding_rules:  # the rules the cache's agents read, from the ConfigMap the operator keeps for them
         volumes.append({"name": SHARDING_VOLUME, "configMap": {"name": configmap_name(es.cache_name)}})
+    if compile_dir is not None:
+        volumes.append(compile_cache_volume(compile_dir))
     return volumes
 
 
@@ -296,14 +318,18 @@ def render_pod(
 
     env = _env(es, cs, namespace, name, p, model_dir(cs), role)
     mounts = _our_mounts(cs, sockets)
-    spec["containers"] = [_engine_container(c, es, env, mounts, sockets) for c in spec["containers"]]
+    # The EngineSet's compile cache on this node, for the containers that can write it (root).
+    compile_dir = compile_cache_dir(es, cs, config, namespace, name)
+    writers = [compile_dir is not None and container_may_write(c, spec) for c in spec["containers"]]
+    spec["containers"] = [_engine_container(c, es, env, mounts, sockets, w)
+                          for c, w in zip(spec["containers"], writers)]
     # Init containers, native sidecars (init containers that keep running) and ephemeral containers
     # get no mounts of ours, and any mount of our volumes (or at our paths) they name is read-only:
     # no container of an engine pod may unlink, rename or plant a file beside the agent's sockets.
     for kind in ("initContainers", "ephemeralContainers"):
         if spec.get(kind):
             spec[kind] = [_read_only_mounts(c, OUR_VOLUMES, sockets) for c in spec[kind]]
-    spec["volumes"] = _pod_volumes(spec, es, cs, config, sockets)
+    spec["volumes"] = _pod_volumes(spec, es, cs, config, sockets, compile_dir if any(writers) else None)
     _pin_to_group(spec, es, name, p)
 
     return {
