@@ -11,8 +11,14 @@
 #   docker build -f images/agent.Dockerfile -t REGISTRY/weightcache-agent:0.1.0 .
 # images/build.sh builds it with buildah instead (and is how CI builds it, on a local Debian base
 # with a CPU torch wheel: --build-arg BASE=... TORCH=/tmp/torch-...whl TORCH_INDEX=https://pypi.org/simple).
+#
+# Three stages, so that a change to the package's source, with a layer cache (docker build's,
+# images/build.sh's), rebuilds only the steps that read it: `runtime` (Python, torch, the package's
+# dependencies), `build` on it (the compilers, the row binder compiled from its own sources, the
+# package's wheel with its C extensions), and the image: `runtime`, the wheel installed, and
+# `weightcache build-native` placing the row binder. The compilers never reach the image.
 ARG BASE=docker.io/nvidia/cuda:13.0.0-base-ubuntu24.04
-FROM ${BASE}
+FROM ${BASE} AS runtime
 LABEL org.opencontainers.image.title="weightcache-agent" org.opencontainers.image.licenses="Apache-2.0"
 # a CA bundle for pip behind a TLS-intercepting proxy (images/build.sh passes its machine's)
 ARG PIP_CERT
@@ -30,21 +36,41 @@ RUN apt-get update \
  && python3 -m venv /opt/weightcache \
  && pip install --upgrade "$PIP" \
  && pip install "$TORCH" --index-url "$TORCH_INDEX"
+# The package's dependencies and its `cuda` extra, as pyproject.toml lists them (read with tomllib:
+# Python 3.11 or later), installed before its source is copied: a change to the source installs none
+# of them again. setuptools goes (nothing in the image needs it at run time).
+COPY pyproject.toml /var/tmp/weightcache/
+RUN python3 -c 'import tomllib; p = tomllib.load(open("/var/tmp/weightcache/pyproject.toml", "rb"))["project"]; \
+print("\n".join(p["dependencies"] + p["optional-dependencies"]["cuda"]))' > /var/tmp/weightcache/requirements.txt \
+ && pip install -r /var/tmp/weightcache/requirements.txt \
+ && pip uninstall -y setuptools \
+ && rm -rf /var/tmp/weightcache
+
+# The compilers and headers, in a stage of their own: the image is built on `runtime` again, below.
+FROM runtime AS build
+ARG PIP_CERT
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ python3-dev
+# The row binder, compiled against the torch above by the module `weightcache build-native` runs (it
+# imports nothing else of the package), from its sources alone: compiled again only when they, the
+# module or torch change. The image's `weightcache build-native` takes this build through
+# images/prebuilt-c++, a compiler that copies it.
+COPY node_agent/weightcache_agent/client/native_build.py node_agent/weightcache_agent/client/_bindtorch.cpp \
+     node_agent/weightcache_agent/client/_bindtorch.h /build/native/
+RUN python3 -c 'import pathlib, sys; sys.path.insert(0, "/build/native"); import native_build; \
+print(native_build.build(pathlib.Path("/build/out")))'
+COPY images/prebuilt-c++ /build/out/c++
 COPY pyproject.toml setup.py MANIFEST.in README.md LICENSE /src/
 COPY node_agent /src/node_agent
 COPY operator /src/operator
-# A compiler only while building: setup.py's C extensions, then `weightcache build-native`, which
-# compiles the row binder against the torch above, beside the package (where engines look first).
-# Every Debian package this step installs (compilers, binutils, headers) is purged after it, the
-# downloaded .debs with them; setuptools goes too (nothing in the image needs it at run time).
-RUN dpkg-query -W -f '${Package}\n' | sort > /var/tmp/packages-before \
- && apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends gcc g++ python3-dev \
- && pip install "/src[cuda]" \
- && weightcache build-native \
- && dpkg-query -W -f '${Package}\n' | sort | comm -13 /var/tmp/packages-before - \
-    | xargs -r env DEBIAN_FRONTEND=noninteractive apt-get purge -y \
- && apt-get clean && rm -rf /var/lib/apt/lists/* /var/tmp/packages-before /src \
- && pip uninstall -y setuptools
+RUN pip wheel --no-deps --wheel-dir /build/out /src
+
+# The image: the wheel installed, and `weightcache build-native` run as on any machine, its compiler
+# the copy of the build above (one that differs in torch, Python or source fails the step).
+FROM runtime
+COPY --from=build /build/out /build
+RUN pip install --no-deps /build/weightcache-*.whl \
+ && CXX=/build/c++ weightcache build-native \
+ && rm -rf /build
 # The DaemonSet passes the rest: --model, --socket-dir, --tp-size, --devices, --http-port, ...
 ENTRYPOINT ["weightcache", "agent"]

@@ -2,7 +2,7 @@
 # Build the weightcache images with buildah (no Docker daemon needed) and write each as an OCI
 # archive, ready for `skopeo copy oci-archive:dist/images/agent.tar docker://REGISTRY/...` or `podman load`.
 #
-#   images/build.sh [--debian-base [--cpu-torch VERSION]] [--out DIR] [--storage DIR] [IMAGE...]
+#   images/build.sh [--debian-base [--cpu-torch VERSION]] [--out DIR] [--storage DIR] [--compression-level N] [IMAGE...]
 #
 # IMAGE: agent, operator (the default: both), vllm (on vLLM's image only: not with --debian-base). Each is tagged localhost/weightcache-IMAGE:VERSION
 # (VERSION from pyproject.toml) and written to DIR/IMAGE.tar (--out DIR; dist/images/ by default).
@@ -13,6 +13,9 @@
 #                      Python, fetched by this machine's pip (its dependencies from PyPI), instead of
 #                      the Dockerfile's CUDA build: a test image, for engines on the cpu backend
 #   --storage DIR      buildah's storage (images, containers) in DIR instead of its default place
+#   --compression-level N  the gzip level of the archives' layers, 1 (fastest) to 9 (smallest), instead
+#                      of buildah's default: at 1 they are some 15% larger and take 30% less CPU time
+#                      to write, for archives read only on the machine that built them (CI)
 # Layers are cached in the storage, as docker build caches them: a step runs again only where it or
 # what comes before it changed (a COPY's files included). The Debian base made by --debian-base is
 # reused while it is less than BASE_MAX_AGE_DAYS old (7 by default; 0 makes a new one), so the
@@ -23,13 +26,16 @@
 set -euo pipefail
 root=$(realpath "$(dirname "$0")/..")
 
-out=$root/dist/images debian=0 cpu_torch="" storage=() images=()
+out=$root/dist/images debian=0 cpu_torch="" storage=() compression=() images=()
 while [ $# -gt 0 ]; do
   case $1 in
     --debian-base) debian=1 ;;
     --cpu-torch) cpu_torch=$2; shift ;;
     --out) out=$(realpath -m "$2"); shift ;;
     --storage) storage=(--root "$(realpath -m "$2")/root" --runroot "$(realpath -m "$2")/run"); shift ;;
+    --compression-level)
+      [[ ${2:-} =~ ^[1-9]$ ]] || { echo "images/build.sh: --compression-level takes a gzip level from 1 to 9, not '${2:-}'" >&2; exit 2; }
+      compression=(--compression-format gzip --compression-level "$2"); shift ;;
     agent|operator|vllm) images+=("$1") ;;
     -h|--help) sed -n '2,/^set -e/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "images/build.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -98,8 +104,15 @@ for image in "${images[@]}"; do
   extra=()
   [ "$image" != agent ] || extra=("${torch[@]}")
   tag=localhost/weightcache-$image:$version
+  # A Dockerfile's `build` stage (the agent's compilers, and what they compiled) gets a name of its
+  # own: no step of the image follows its last one, so unnamed it would be pruned (`buildah rmi
+  # --prune`), and with it every layer of the stage, the compilers' and the row binder's.
+  if grep -q '^FROM .* AS build$' "images/$image.Dockerfile"; then
+    buildah bud --layers --isolation chroot "${args[@]}" "${extra[@]}" -f "images/$image.Dockerfile" \
+      --target build -t "localhost/weightcache-$image-build:$version" .
+  fi
   buildah bud --layers --isolation chroot "${args[@]}" "${extra[@]}" -f "images/$image.Dockerfile" -t "$tag" .
   rm -f "$out/$image.tar"
-  buildah push --quiet "$tag" "oci-archive:$out/$image.tar:weightcache-$image:$version"
+  buildah push --quiet "${compression[@]}" "$tag" "oci-archive:$out/$image.tar:weightcache-$image:$version"
   echo "images/build.sh: $tag -> $out/$image.tar in $((SECONDS - began)) s"
 done

@@ -14,18 +14,18 @@ ARG PIP_CERT
 ARG PIP=pip==26.3
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PATH=/opt/weightcache/bin:$PATH
 COPY LICENSE /usr/share/doc/weightcache/LICENSE
+# The operator's dependencies, installed before the package's source is copied (a change to the source
+# installs none of them again): the `operator` extra's packages and pyyaml (tests/test_images.py checks
+# these agree with pyproject.toml), not the distribution's core dependencies (torch, ...: the agent's),
+# hence the package's --no-deps. setuptools (from the venv module) goes: nothing needs it at run time.
+RUN python3 -m venv /opt/weightcache \
+ && pip install --upgrade "$PIP" \
+ && pip install "kopf>=1.37,<1.46" "kubernetes>=30,<38" "pyyaml>=6" \
+ && pip uninstall -y setuptools
 COPY pyproject.toml setup.py MANIFEST.in README.md LICENSE /src/
 COPY node_agent /src/node_agent
 COPY operator /src/operator
-# --no-deps: the distribution's core dependencies (torch, ...) are the agent's; the operator needs
-# the `operator` extra's packages and pyyaml (tests/test_images.py checks these agree with pyproject.toml).
-# setuptools (from the venv module) goes: nothing in the image needs it at run time.
-RUN python3 -m venv /opt/weightcache \
- && pip install --upgrade "$PIP" \
- && pip install --no-deps /src \
- && pip install "kopf>=1.37,<1.46" "kubernetes>=30,<38" "pyyaml>=6" \
- && pip uninstall -y setuptools \
- && rm -rf /src
+RUN pip install --no-deps /src && rm -rf /src
 # The chart runs it as this non-root user with a read-only root filesystem.
 USER 65532:65532
 ENTRYPOINT ["weightcache-operator"]
