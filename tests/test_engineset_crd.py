@@ -79,7 +79,7 @@ def test_defaults_fill_a_minimal_spec() -> None:
     assert errors == []
     assert {k: v for k, v in obj["spec"].items() if k != "template"} == {
         "cacheRef": {"name": "llama"}, "replicas": 1, "standbys": 1, "drainSeconds": 30,
-        "progressDeadlineSeconds": 600, "service": {"port": 8000},
+        "progressDeadlineSeconds": 600, "service": {"port": 8000}, "compileCache": {"enabled": True},
         "gpuBinding": {"mode": "dra", "deviceClassName": "gpu.nvidia.com", "runtimeClassName": "nvidia"},
     }
     # The operator reads the same defaults from a spec stored without them.
