@@ -248,7 +248,8 @@ def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:
         assert sorted(pods) == ["chat-0-0", "chat-0-1", "chat-1-0", "chat-1-1"]
         for name, pod in pods.items():  # none crash-loops: every container runs its first start
             statuses = pod["status"].get("containerStatuses") or [{}]
-            assert statuses[0].get("restartCount", 0) == 0, (name, statuses)
+            log = root / "logs" / f"{NS}_{name}.log"
+            assert statuses[0].get("restartCount", 0) == 0, (name, statuses, log.read_text(errors="replace")[-4000:])
         for name in endpoints:
             run = kubelet.run_of(NS, name)
             assert run is not None and run.proc is not None and run.proc.poll() is None
