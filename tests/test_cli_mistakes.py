@@ -139,6 +139,28 @@ def test_status_reads_the_socket_from_the_environment_without_torch_and_ctrl_c_e
         served.stop()
 
 
+def test_status_wait_returns_once_an_agent_started_later_holds_its_weights(model, tmp_path):
+    """`--wait` outlasts a socket that does not exist yet and an agent still loading; it exits 0 with
+    the agent ready, and names the socket in one line when the time runs out."""
+    sock = str(tmp_path / "later.sock")
+    waiting = subprocess.Popen([sys.executable, "-m", "weightcache_agent", "status", "--socket", sock, "--wait", "120"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    served = None
+    try:
+        assert waiting.poll() is None
+        served = AgentProcess(model, sock)
+        out, err = waiting.communicate(timeout=150)
+        assert waiting.returncode == EXIT_OK, err
+        assert re.search(r"^PHASE\s+ready$", out, re.MULTILINE), out
+    finally:
+        waiting.kill()
+        if served is not None:
+            served.stop()
+    one_line(weightcache("status", "--socket", str(tmp_path / "none.sock"), "--wait", "0.5"), EXIT_FAILED,
+             "weightcache status", "none.sock")
+    one_line(weightcache("status", "--socket", sock, "--wait", "-1"), EXIT_USAGE, "weightcache status", "--wait")
+
+
 def test_version():
     out = weightcache("--version")
     assert out.returncode == EXIT_OK and re.fullmatch(r"weightcache \d+\.\d+\.\d+\S*", out.stdout.strip()), out

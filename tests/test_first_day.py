@@ -77,15 +77,16 @@ def test_the_readme_failover_quick_start_copied_literally_fails_over(model, run_
         text = text.replace("tiny-llama.sock", sock).replace("tiny-llama", model)  # the quick start's names
         return re.sub(r"(?<!\d)800[12](?!\d)", lambda m: ports[m[0]], text)  # one pass: a port never re-replaced
 
-    agent_line = next(line for line in bash_blocks("Quick start")[0].splitlines()
-                      if line.startswith("weightcache agent"))
+    quick_start = bash_blocks("Quick start")[0].splitlines()
+    agent_line = next(line for line in quick_start if line.startswith("weightcache agent"))
+    wait_line = next(line for line in quick_start if line.startswith("weightcache status")).split("#")[0]
     engines = next(block for block in bash_blocks("The reference engine") if "--role standby" in block)
     assert "kill -9 $PRIMARY" in engines and "--group chat & PRIMARY=$!" in engines
     env = dict(os.environ, PATH=f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}")
     if shutil.which("weightcache", path=env["PATH"]) is None:
         pytest.skip("the README's commands need the installed `weightcache` command (pip install)")
-    script = (f"MODEL={shlex.quote(model)}\n{localize(agent_line)}\nuntil weightcache status --socket {shlex.quote(sock)} >/dev/null 2>&1; "
-              f"do sleep 0.2; done\n{localize(engines)}")
+    script = (f"MODEL={shlex.quote(model)}\n{localize(agent_line)}\n{localize(wait_line)} >/dev/null\n"
+              f"{localize(engines)}")
     with open(os.path.join(run_dir, "out"), "w+") as out_file, open(os.path.join(run_dir, "err"), "w+") as err_file:
         # files, not pipes: what the block leaves running in the background keeps its output open
         shell = subprocess.Popen(["bash", "-c", script], stdout=out_file, stderr=err_file, text=True, env=env,

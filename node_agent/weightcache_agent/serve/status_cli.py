@@ -10,6 +10,7 @@ import json
 import os
 import stat
 import sys
+import time
 
 from ..load.progress import size_text
 from ..protocol import agent_request, agent_status
@@ -22,6 +23,7 @@ ENV_SOCKET = "WEIGHTCACHE_SOCKET"
 def main(argv: list[str]) -> int:
     p = usage_parser("weightcache status", "Show an agent's cache and its clients.",
                      examples=["weightcache status --socket /run/weightcache/llama.sock",
+                               "weightcache status --socket /run/weightcache/llama.sock --wait 300  # until ready",
                                "weightcache status --socket /run/weightcache/default.llama.1a2b3c  # each GPU's",
                                "WEIGHTCACHE_SOCKET=/run/weightcache/llama.sock weightcache status --json"],
                      env={ENV_SOCKET: "the agent's socket, when --socket is not given"})
@@ -29,6 +31,9 @@ def main(argv: list[str]) -> int:
                    help=f"the agent's Unix socket, or a node agent's socket directory: every socket in it "
                         f"(default: ${ENV_SOCKET})")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
+                   help="wait up to SECONDS for the agent to start and hold its weights (phase ready); exit 1 "
+                        "when it fails or the time runs out")
     p.add_argument("--verify", action="store_true",
                    help="check the arena's bytes against the digest the agent made when it filled it, now "
                         "(root or the agent's uid; a whole pass of the arena); exit 1 when they differ")
@@ -46,15 +51,20 @@ def main(argv: list[str]) -> int:
                           EXIT_USAGE)
     else:
         sockets = [args.socket]
+    if args.wait < 0:
+        return refuse("weightcache status", f"--wait {args.wait:g}: seconds to wait cannot be negative", EXIT_USAGE)
     statuses, failures = [], []
     for path in sockets:
         try:
-            status = agent_status(path)
+            status = wait_ready(path, args.wait) if args.wait else agent_status(path)
         except WeightCacheError as e:
             failures.append(f"{e} (is the agent running? start one with weightcache agent)")
             continue
         status.pop("type", None)
         statuses.append(status)
+        if args.wait and status.get("phase") != "ready":
+            failures.append(f"the agent at {path} is {status.get('phase')}, not ready"
+                            + ("" if status.get("phase") == "failed" else f", after {args.wait:g}s"))
     for failure in failures:
         refuse("weightcache status", failure)
     if not statuses:
@@ -83,6 +93,22 @@ def sockets_in(directory: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def wait_ready(path: str, seconds: float) -> dict:
+    """The agent's status once its phase is ready or failed, or the last one read when `seconds` run
+    out; the socket may not exist yet (the agent still starting) until then."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            status = agent_status(path)
+        except WeightCacheError:
+            if time.monotonic() >= deadline:
+                raise
+        else:
+            if status.get("phase") in ("ready", "failed") or time.monotonic() >= deadline:
+                return status
+        time.sleep(0.2)
 
 
 def _verify(socket: str, as_json: bool) -> int:
