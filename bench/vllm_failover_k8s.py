@@ -12,9 +12,12 @@ loopback port (pods share one loopback here); vLLM's CPU build sizes its KV cach
 `VLLM_CPU_KVCACHE_SPACE` (set in the node's environment: the example's
 `--gpu-memory-utilization 0.45` would be 45% of host memory per engine on CPU) and refuses
 `--enable-sleep-mode`, a CUDA allocator's feature, which is dropped from the command: on CPU
-a standby releases its KV cache without it; and the engines run `--enforce-eager`: vLLM's CPU
+a standby releases its KV cache without it; the engines run `--enforce-eager`: vLLM's CPU
 build traces the model with torch.compile at every start (45 s of a core per engine here, its
-saved artifact failing to load again in vLLM-CPU 0.32), which is not what this measures.
+saved artifact failing to load again in vLLM-CPU 0.32), which is not what this measures; and
+the model runs in the engine-core process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`), as vLLM runs a
+one-GPU engine, where its CPU build would start a worker process of its own (one more vLLM
+import per engine, some 10 s of a core here).
 
 The client: one thread sends OpenAI completions, one every 200 ms, alternating between the
 groups, each to the group's engine the Service's EndpointSlice lists (pod -> its loopback
@@ -80,6 +83,7 @@ def vllm_environment(kv_cache_gib: int = KV_CACHE_GIB) -> dict[str, str]:
     """What a CPU node's environment gives vLLM's processes here (see the module docstring)."""
     # nobind: vLLM would pin every engine's threads to the same first core of this small machine
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
 
 
@@ -161,14 +165,16 @@ class VllmExample(e2e_bench.EndToEnd):
         return run.host_ports.get(8000) if run is not None else None
 
     def worker_memory(self, pod: str) -> dict[str, int]:
-        """RssAnon / RssShmem (bytes) of the pod's vLLM worker process (the one holding the KV cache)."""
+        """RssAnon / RssShmem (bytes) of the pod's process holding the KV cache: vLLM's worker, or its
+        engine core where the model runs there."""
         run = self.kubelet.run_of(NS, pod)
         if run is None or run.proc is None:
             return {}
-        for pid in _descendants(run.proc.pid):
-            status = _proc_status(pid)
-            if status.get("Name", "").startswith("VLLM::Worker"):
-                return {k: int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in status}
+        statuses = [_proc_status(pid) for pid in _descendants(run.proc.pid)]
+        for name in ("VLLM::Worker", "VLLM::EngineCo"):  # /proc keeps 15 characters of a name
+            for status in statuses:
+                if status.get("Name", "").startswith(name):
+                    return {k: int(status[k].split()[0]) * 1024 for k in ("RssAnon", "RssShmem") if k in status}
         return {}
 
     def log_of(self, pod: str) -> str:
