@@ -115,9 +115,12 @@ class Trial:
     killed: str
     promoted: str
     endpoint_s: float   # kill -> the EndpointSlice lists the promoted standby as ready
-    promotion_s: float  # kill -> the agent holds the standby's lease as primary
+    promotion_s: float  # kill -> the agent holds the standby's lease as primary (when a poll saw it)
     killed_at: float = 0.0  # perf_counter time of the kill
     closed_s: float | None = None  # kill -> the killed engine's lease is gone (the kernel closed its socket)
+    # kill -> the last poll that found the standby not yet primary was sent: the promotion came after it.
+    # A loaded machine delays the poll's answer (promotion_s), never this bound.
+    not_promoted_s: float = 0.0
 
 
 @dataclass
@@ -348,6 +351,7 @@ class EndToEnd:
         sock = self.socket_path(device)
         seen: list[float] = []
         closed: list[float] = []
+        not_yet = [0.0]  # when the last poll that found the standby not primary was sent
         go = threading.Event()
         t0 = [0.0]
 
@@ -355,6 +359,7 @@ class EndToEnd:
             go.set()
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
+                sent = time.perf_counter()
                 try:
                     clients = [c for c in agent_status(sock, timeout=1).get("clients") or [] if c.get("pod")]
                 except (OSError, ValueError):
@@ -365,6 +370,7 @@ class EndToEnd:
                         seen.append(now)
                         closed.append(now)  # the killed lease went at the latest now (also when unseen)
                         return
+                    not_yet[0] = sent
                     if not closed and all(c["pod"].get("name") != primary for c in clients):
                         closed.append(now)
                 time.sleep(0.002)
@@ -378,7 +384,8 @@ class EndToEnd:
         poller.join(timeout=10)
         if not seen:
             raise TimeoutError(f"the agent never reported {standby} primary")
-        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0], t0[0], closed[0] - t0[0])
+        return Trial(group, primary, standby, t_ep - t0[0], seen[0] - t0[0], t0[0], closed[0] - t0[0],
+                     max(not_yet[0] - t0[0], 0.0))
 
     def measure(self, trials: int, *, warmup: int = 2, progress: bool = False) -> Results:
         """`warmup` + `trials` failovers, alternating between the groups; the EndpointSlice checked

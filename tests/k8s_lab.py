@@ -400,13 +400,20 @@ class Lab:
             d = lab_dir or Path(tempfile.mkdtemp(prefix="wc-k8s-"))
             (d / "bin").mkdir(parents=True, exist_ok=True)
             _unpack_binaries(d / "bin")
-            etcd, peer, api, kcm, sched = free_ports(5)
-            lab = cls(d, ports={"ETCD_PORT": etcd, "ETCD_PEER_PORT": peer, "APISERVER_PORT": api,
-                                "KCM_PORT": kcm, "SCHED_PORT": sched})
+            for attempt in range(3):
+                # a free port is free when looked at: another process (a connection's local port) may take
+                # it before the control plane binds it, which the script reports; new ports then
+                etcd, peer, api, kcm, sched = free_ports(5)
+                lab = cls(d, ports={"ETCD_PORT": etcd, "ETCD_PEER_PORT": peer, "APISERVER_PORT": api,
+                                    "KCM_PORT": kcm, "SCHED_PORT": sched})
+                env = tool_env({**os.environ, **(settings or {}), **{k: str(v) for k, v in lab.ports.items()}})
+                proc = subprocess.run([str(SCRIPTS / "control-plane.sh"), str(d)], env=env, capture_output=True,
+                                      text=True, timeout=300, check=False)
+                if "is in use by a process this script did not start" not in proc.stderr or attempt == 2:
+                    break
+                subprocess.run([str(SCRIPTS / "down.sh"), str(d), "--wipe"], capture_output=True, timeout=120, check=False,
+                               env={**os.environ, "STOP_TIMEOUT_S": "10"})
             atexit.register(lab.stop)
-            env = tool_env({**os.environ, **(settings or {}), **{k: str(v) for k, v in lab.ports.items()}})
-            proc = subprocess.run([str(SCRIPTS / "control-plane.sh"), str(d)], env=env, capture_output=True,
-                                  text=True, timeout=300, check=False)
             if proc.returncode != 0:
                 logs = "\n".join(f"{p.name}: {p.read_text()[-1500:]}" for p in sorted((d / "logs").glob("*.log")))
                 lab.stop()

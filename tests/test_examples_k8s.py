@@ -142,10 +142,11 @@ def test_vllm_engineset_serves_and_fails_over_as_shipped(own_k8s_chart: Lab) -> 
     """examples/engineset-vllm.yaml as shipped, vLLM's CPU build in its pods (what differs from a GPU
     node: bench/vllm_failover_k8s.py): its agents run with default flags; two groups of a vLLM
     primary and a standby reach serving, none restarted; each standby has given its KV cache back
-    (its worker's anonymous memory at least 90% of the KV cache below its primary's); an OpenAI
+    (its engine's anonymous memory at least 90% of the KV cache below its primary's); an OpenAI
     client sends completions through the EndpointSlice; SIGKILL of a primary: the
     standby takes its KV cache back, the EndpointSlice lists it, it answers, and no request failed
-    (one retry allowed). Twenty trials and a rollout: bench/vllm_failover_k8s.py."""
+    (one retry allowed); the killed engine restarts and is its group's sleeping standby again (the
+    time from the kill printed). Twenty trials and a rollout: bench/vllm_failover_k8s.py."""
     assert VLLM_PYTHON, "CI must provide $WEIGHTCACHE_VLLM_PYTHON (tests/vllm_venv.sh)"
     with vllm_bench.VllmExample(own_k8s_chart, VLLM_PYTHON, settle_timeout=1200) as example:
         ds = example.api.get(f"/apis/apps/v1/namespaces/{NS}/daemonsets/qwen-7b-vllm-agent")
@@ -169,9 +170,19 @@ def test_vllm_engineset_serves_and_fails_over_as_shipped(own_k8s_chart: Lab) -> 
         assert not client.failed(), client.failed()[:3]
         assert trial.first_token_s is not None, "the promoted engine answered no completion"
         assert "promoted to primary: KV cache back" in example.log_of(trial.trial.promoted)
+        # The group is not left without a standby: the killed pod's engine starts again at once and comes
+        # back as its group's standby, KV cache released (its log, appended to, had no such line as primary).
+        killed = trial.trial.killed
+        wait_for(lambda: "released its KV cache" in example.log_of(killed), timeout=600, interval=0.1,
+                 what=f"{killed} back as a sleeping standby")
+        replaced_s = time.perf_counter() - trial.trial.killed_at
+        roles = {pod: role for leases in example.all_leases().values() for pod, role in leases.items()}
+        assert roles.get(killed) == "standby" and roles.get(trial.trial.promoted) == "primary", roles
         os.write(1, f"\nvLLM pod failover: SIGKILL of {trial.trial.killed} -> EndpointSlice lists "
                     f"{trial.trial.promoted} in {trial.trial.endpoint_s * 1e3:.0f} ms, its first completion "
-                    f"{trial.first_token_s * 1e3:.0f} ms; {len(client.records)} completions, 0 failed\n".encode())
+                    f"{trial.first_token_s * 1e3:.0f} ms; {len(client.records)} completions, 0 failed; "
+                    f"a standby again (the killed engine restarted, attached, KV cache released) "
+                    f"{replaced_s:.1f} s after the kill\n".encode())
 
 
 def test_qwen_cache_and_chat_engineset_serve_as_shipped(k8s_chart: Lab) -> None:

@@ -101,9 +101,11 @@ def test_kill_of_a_primary_moves_the_endpoint_within_the_bar(e2e: e2e_bench.EndT
     for t in results.trials:
         assert t.killed != t.promoted and e2e_bench.group_of(t.promoted) == t.group
         assert t.promotion_s > 0 and t.endpoint_s > 0, t
-    # the agent promotes before the API can follow (its write comes after the promotion; a single
-    # trial's promotion is seen by polling, so only the medians are compared)
-    assert statistics.median(results.promotion) < statistics.median(results.endpoint)
+    # the agent promotes before the API can follow (its write comes after the promotion): in every trial
+    # the last poll that still found the standby not primary was sent before the EndpointSlice listed it
+    # (when a poll saw the promotion depends on how fast a loaded machine answers it, not on the order)
+    for t in results.trials:
+        assert t.not_promoted_s < t.endpoint_s, t
     # The agent's part (kill -> promoted) at p99; the whole path (through the EndpointSlice
     # controller, which a busy machine delays by a second at times) at its median: the p99 of
     # ten trials is one trial, and the benchmark holds the bar on it, alone.
