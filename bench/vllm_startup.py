@@ -30,10 +30,19 @@ Variants, each a fresh process:
   warm, CUDA graphs [1]    one CUDA-graph size (a standby's first requests are few); started twice,
                            the second counted (its own compile-cache key)
   warm, eager              --enforce-eager: no torch.compile, no CUDA graphs (decode speed reported)
+  warm, engine core in-process  VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the API
+                           server's process, which has imported vLLM already (one GPU, no TP)
   import only              `python3 -c "import vllm.entrypoints.openai.api_server"`: the most an engine
                            process started ahead of need (imported, no CUDA yet) could save
   replacement standby      a group's primary serving, its standby sleeping; the primary SIGKILLed, a
                            new standby started at once: kill -> the new standby attached and sleeping
+  two at once, then a third  two engines started together on an emptied node cache (both compile and
+                           write it at the same time, as two pods of a node do), then a third start:
+                           it must load vLLM's artifact ("Directly load AOT compilation") and all
+                           three answer the same greedy tokens
+
+Each start's row says what vLLM's log says of the cache (its artifact loaded, or compiled anew), and the
+node cache's size on disk after the cold start is reported (what one key of the operator's cache holds).
 
 Usage (vLLM importable by this python): python3 bench/vllm_startup.py [--layers 24 --hidden 4096]
     [--out DIR]        (on the H200: WEIGHTCACHE_BENCH=bench/vllm_startup.py bench/vllm_gpu.sh start)
@@ -131,18 +140,60 @@ def start_engine(name: str, model: str, work: str, sock: str, kv: int, env: dict
     return engine, StampedLog(engine)
 
 
-def timed_start(name: str, model: str, work: str, sock: str, kv: int, **kw) -> dict:
-    engine, stamped = start_engine(name, model, work, sock, kv, **kw)
+AOT_LOADED = re.compile(r"Directly load AOT compilation from path")
+GRAPHS_LOADED = re.compile(r"Directly load the compiled graph")
+RECOMPILED = re.compile(r"Compiling model again due to a load failure")
+
+
+def cache_said(text: str) -> str:
+    """What vLLM's log says of its compile cache: its artifact loaded, Inductor's graphs loaded, or neither."""
+    if RECOMPILED.search(text):
+        return "artifact unreadable: compiled again"
+    if AOT_LOADED.search(text):
+        return "artifact loaded"
+    if GRAPHS_LOADED.search(text):
+        return "graphs loaded"
+    return "compiled" if "torch.compile took" in text else "no compile"
+
+
+def finish(name: str, engine: Engine, stamped: StampedLog, seconds: float) -> dict:
     try:
-        seconds = engine.first_token()
+        ok, tokens = engine.complete(max_tokens=16)
         rate = engine.decode_rate()
     finally:
         stamped.stop()
         engine.stop()
     phases = stamped.phases(seconds)
-    log(f"{name}: first token {seconds:.2f} s, decode {rate:.1f} tokens/s, " +
+    said = cache_said(engine.text())
+    log(f"{name}: first token {seconds:.2f} s, decode {rate:.1f} tokens/s, cache: {said}, " +
         ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
-    return {"name": name, "seconds": seconds, "decode_tokens_per_s": rate, "phases": phases}
+    return {"name": name, "seconds": seconds, "decode_tokens_per_s": rate, "phases": phases, "cache": said,
+            "tokens": tokens if ok else None}
+
+
+def timed_start(name: str, model: str, work: str, sock: str, kv: int, **kw) -> dict:
+    engine, stamped = start_engine(name, model, work, sock, kv, **kw)
+    try:
+        seconds = engine.first_token()
+    except BaseException:
+        stamped.stop()
+        engine.stop()
+        raise
+    return finish(name, engine, stamped, seconds)
+
+
+def started_together(model: str, work: str, sock: str, kv: int) -> list[dict]:
+    """Two engines started at once on an emptied node cache, then a third start once both serve."""
+    shutil.rmtree(node_cache(work), ignore_errors=True)
+    pair = [start_engine(f"together {i}", model, work, sock, kv) for i in (1, 2)]
+    seconds = [engine.first_token() for engine, _ in pair]
+    runs = [finish(f"together {i + 1}", e, s, t) for i, ((e, s), t) in enumerate(zip(pair, seconds))]
+    return runs + [timed_start("after the two", model, work, sock, kv)]
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files
+               if not os.path.islink(os.path.join(d, f)))
 
 
 def import_only() -> float:
@@ -182,6 +233,7 @@ def table(runs: list[dict]) -> list[str]:
     rows.append("| **process start -> first token** | " + " | ".join(f"**{r['seconds']:.2f}**" for r in runs) + " |")
     rows.append("| decode, one request of 256 tokens (tokens/s) | " +
                 " | ".join(f"{r['decode_tokens_per_s']:.0f}" for r in runs) + " |")
+    rows.append("| what vLLM's log says of the compile cache | " + " | ".join(r["cache"] for r in runs) + " |")
     return rows
 
 
@@ -192,6 +244,8 @@ def main() -> int:
     p.add_argument("--kv-gib", type=float, default=8 if CUDA else 0.0625)
     p.add_argument("--dir", default=None)
     p.add_argument("--out", default=os.path.join(HERE, "out"))
+    p.add_argument("--only", default="", help="comma-separated warm variants to run alone on the node cache "
+                   "a full run left (e.g. 'warm 1,in-process'), for a second look at one idea")
     args = p.parse_args()
     import torch
     import vllm
@@ -206,42 +260,86 @@ def main() -> int:
     head = [f"vLLM {vllm.__version__}, torch {torch.__version__}; synthetic Llama {args.layers} layers, hidden "
             f"{args.hidden}, bf16, {size / GIB:.2f} GiB, `--load-format weightcache`, --kv-cache-memory-bytes "
             f"{args.kv_gib:g} GiB", ""]
-    data: dict = {}
+    data: dict = {"errors": []}
     runs: list[dict] = []
+
+    def step(what: str, fn):
+        """One variant; a failure is reported with the others' figures instead of ending the bench."""
+        try:
+            return fn()
+        except (Exception, SystemExit) as e:
+            log(f"{what} failed: {e}")
+            data["errors"].append(f"{what}: {str(e)[:3000]}")
+            for engine in vllm_gpu.ENGINES:
+                if engine.alive():
+                    engine.stop()
+            return None
+
+    def add(run: dict | None) -> None:
+        if run:
+            runs.append(run)
+
+    one_graph = ("--compilation-config", '{"cudagraph_capture_sizes": [1]}')
+    in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if args.only:
+        variants = {"warm 1": {}, "in-process": {"env": in_process}}
+        try:
+            for name in args.only.split(","):
+                add(step(name, lambda: timed_start(name, model, work, sock, kv, **variants[name])))
+        finally:
+            agent.stop()
+        report(args.out, "vllm_startup_only", head + table(runs) + [f"Failed: {e}" for e in data["errors"]], data)
+        return 0
     try:
         shutil.rmtree(node_cache(work), ignore_errors=True)
-        runs.append(timed_start("cold", model, work, sock, kv))
-        runs += [timed_start(f"warm {i}", model, work, sock, kv) for i in (1, 2)]
-        runs.append(timed_start("warm, no AOT artifact", model, work, sock, kv, env={"VLLM_USE_AOT_COMPILE": "0"}))
-        one_graph = ("--compilation-config", '{"cudagraph_capture_sizes": [1]}')
-        timed_start("CUDA graphs [1], first", model, work, sock, kv, extra=one_graph)
-        runs.append(timed_start("warm, CUDA graphs [1]", model, work, sock, kv, extra=one_graph))
-        runs.append(timed_start("warm, eager", model, work, sock, kv, extra=("--enforce-eager",)))
-        imports = [import_only() for _ in range(2)]
-        data["import_only_s"] = imports
-        data["standby"] = replacement_standby(model, work, sock, kv)
+        add(step("cold", lambda: timed_start("cold", model, work, sock, kv)))
+        data["node_cache_bytes_after_cold"] = step("cache size", lambda: {
+            d: du(os.path.join(node_cache(work), d)) for d in sorted(os.listdir(node_cache(work)))})
+        for i in (1, 2):
+            add(step(f"warm {i}", lambda: timed_start(f"warm {i}", model, work, sock, kv)))
+        add(step("no AOT", lambda: timed_start("warm, no AOT artifact", model, work, sock, kv,
+                                               env={"VLLM_USE_AOT_COMPILE": "0"})))
+        step("graphs first", lambda: timed_start("CUDA graphs [1], first", model, work, sock, kv, extra=one_graph))
+        add(step("graphs", lambda: timed_start("warm, CUDA graphs [1]", model, work, sock, kv, extra=one_graph)))
+        add(step("eager", lambda: timed_start("warm, eager", model, work, sock, kv, extra=("--enforce-eager",))))
+        add(step("in-process", lambda: timed_start("warm, engine core in-process", model, work, sock, kv,
+                                                   env=in_process)))
+        data["import_only_s"] = step("import only", lambda: [import_only() for _ in range(2)]) or []
+        data["standby"] = step("replacement standby", lambda: replacement_standby(model, work, sock, kv))
+        data["together"] = step("together", lambda: started_together(model, work, sock, kv)) or []
     finally:
         data["runs"] = runs
         agent.stop()
         for e in vllm_gpu.ENGINES:
             if e.alive():
                 e.stop()
-    warm = statistics.median(r["seconds"] for r in runs if r["name"].startswith("warm "))
-    s = data["standby"]
+    warm = [r["seconds"] for r in runs if r["name"].startswith("warm ")]
+    warm_s = statistics.median(warm) if warm else float("nan")
+    s, together = data["standby"] or {}, data["together"]
+    sizes = data.get("node_cache_bytes_after_cold") or {}
+    kill_to_standby = s.get("kill_to_new_standby_sleeping", float("nan"))
     lines = head + [
         "Seconds per phase (each ends at the vLLM line named in bench/vllm_startup.py); fresh processes, in order:",
         "", *table(runs), "",
         f"Import only (`import vllm.entrypoints.openai.api_server` in a fresh python): "
-        f"{', '.join(f'{x:.2f} s' for x in imports)}: the most a process started ahead of need could take off.",
+        f"{', '.join(f'{x:.2f} s' for x in data['import_only_s'])}: the most a process started ahead of need "
+        "could take off.",
         f"Replacement standby: kill of the primary -> a new standby started at once has attached and sleeps: "
-        f"**{s['kill_to_new_standby_sleeping']:.2f} s** (the first standby, started beside a serving primary: "
-        f"{s['first_standby_start_to_sleeping']:.2f} s; the old standby's role afterwards: "
-        f"{s['old_standby_role_after']}).",
-        bars_line({"warm start <= 10 s": warm <= 10.0, "warm start < 5 s": warm < 5.0,
-                   "replacement standby sleeping <= 10 s after the kill": s["kill_to_new_standby_sleeping"] <= 10.0}),
+        f"**{kill_to_standby:.2f} s** (the first standby, started beside a serving primary: "
+        f"{s.get('first_standby_start_to_sleeping', float('nan')):.2f} s; the old standby's role afterwards: "
+        f"{s.get('old_standby_role_after')}).",
+        f"Node cache after the cold start: {sum(sizes.values()) / 2**20:.1f} MiB "
+        f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in sizes.items())}).",
+        "Two engines started together on an emptied node cache, then a third: " +
+        "; ".join(f"{r['name']} {r['seconds']:.2f} s ({r['cache']}, tokens {r['tokens']!r})" for r in together) +
+        f". Tokens of the cold and warm starts: {sorted({str(r['tokens']) for r in runs[:3]})}.",
+        *[f"Failed: {e}" for e in data["errors"]],
+        bars_line({"a start after two compiled at once loads vLLM's artifact":
+                   bool(together) and together[-1]["cache"] == "artifact loaded",
+                   "warm start <= 10 s": warm_s <= 10.0, "warm start < 5 s": warm_s < 5.0,
+                   "replacement standby sleeping <= 10 s after the kill": kill_to_standby <= 10.0}),
     ]
     report(args.out, "vllm_startup", lines, data)
-    print("\n".join(lines))
     return 0
 
 

@@ -169,3 +169,47 @@ def test_chart_values_and_environment_reach_the_config() -> None:
     assert (config.compile_cache, config.compile_cache_root) == (False, "/srv/compile")
     deployment = (CHART / "templates" / "deployment.yaml").read_text()
     assert "WEIGHTCACHE_COMPILE_CACHE" in deployment and "WEIGHTCACHE_COMPILE_CACHE_ROOT" in deployment
+
+
+def prune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "weightcache_agent.cli", "compile-cache-prune", *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_prune_removes_the_engine_sets_keys_and_never_follows_a_planted_link(tmp_path) -> None:
+    """What the cleaner pod runs, on real files: the other keys go with --keep, everything without;
+    a link an engine left inside its cache goes as a link, what it points to stays."""
+    ns = tmp_path / "ml"
+    old, new = ns / "chat" / "0123456789abcdef", ns / "chat" / "fedcba9876543210"
+    (old / "vllm").mkdir(parents=True)
+    (old / "vllm" / "artifact").write_bytes(b"x" * (3 << 20))
+    new.mkdir()
+    (new / "kernel").write_text("k")
+    (ns / "other").mkdir()
+    outside = tmp_path / "etc"
+    outside.mkdir()
+    (outside / "passwd").write_text("root")
+    (old / "escape").symlink_to(outside, target_is_directory=True)
+    (new / "escape").symlink_to(outside / "passwd")
+
+    kept = prune(str(ns), "chat", "--keep", "fedcba9876543210")
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stdout.splitlines() == ["removed chat/0123456789abcdef: 3.0 MiB"]
+    assert not old.exists() and (new / "kernel").exists()
+
+    whole = prune(str(ns), "chat")
+    assert whole.returncode == 0 and whole.stdout.splitlines() == ["removed chat/fedcba9876543210: 0.0 MiB"]
+    assert not (ns / "chat").exists() and (ns / "other").is_dir()
+    assert (outside / "passwd").read_text() == "root"
+    again = prune(str(ns), "chat")
+    assert again.returncode == 0 and again.stdout.strip() == "nothing to remove under chat"
+
+
+@pytest.mark.parametrize("args, says", [
+    (("{ns}", "../etc"), "EngineSet name '../etc' is not a DNS label"),
+    (("{ns}", "chat", "--keep", "../x"), "--keep '../x' is not an artifact key"),
+    (("{ns}/missing", "chat"), "missing is not a directory"),
+])
+def test_prune_refuses_a_bad_call_in_one_line(tmp_path, args: tuple[str, ...], says: str) -> None:
+    done = prune(*(a.format(ns=tmp_path) for a in args))
+    assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -5,10 +5,16 @@ ServiceAccount the chart gives it, so every call it makes goes through the chart
 a missing verb fails the test. The real scheduler allocates the group's ResourceClaim
 through DRA (GPUs published as a driver would), the garbage collector follows the owner
 references. No kubelet runs: the test plays it (pod status, IPs), and a node agent is a
-real HTTP server on 127.0.0.1 behind an agent pod whose status points at it.
+real HTTP server on 127.0.0.1 behind an agent pod whose status points at it. When the
+EngineSet is deleted, the test plays the kubelet for the operator's compile-cache cleaner too:
+it runs the cleaner's command as a process, the pod's host path a directory here.
 """
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import time
 import uuid as uuidlib
 from collections.abc import Iterator
@@ -155,11 +161,49 @@ def test_engineset_on_a_real_api_server_with_the_charts_rbac(k8s_chart: Lab, ns:
             assert lab.api.get_or_none(f"/apis/apps/v1/namespaces/{ns}/daemonsets/qwen-agent") is not None
             assert wait_for(endpoints, timeout=10, what="the Service's endpoints") == {"10.0.0.10"}
 
-            # Deleting the EngineSet: kopf lets it go, the garbage collector takes the children,
-            # and then the held WeightCache goes too.
+            # The engines' compile cache on the node, as they leave it; and a link an engine planted in it.
+            volume, = [v for v in lab.api.get(pods_path(ns, "chat-0-0"))["spec"]["volumes"]
+                       if v["name"] == "weightcache-compile-cache"]
+            host = tmp_path / "node"  # the node's filesystem root
+            cache_dir = host / volume["hostPath"]["path"].lstrip("/")
+            (cache_dir / "vllm").mkdir(parents=True)
+            (cache_dir / "vllm" / "artifact").write_bytes(os.urandom(1 << 16))
+            outside = tmp_path / "outside"
+            outside.mkdir()
+            (outside / "keep").write_text("not the cache's")
+            (cache_dir / "escape").symlink_to(outside, target_is_directory=True)
+
+            # Deleting the EngineSet: its compile caches are removed on its node first (the operator's
+            # cleaner pod, run here as the kubelet would), then kopf lets it go, the garbage collector
+            # takes the children, and then the held WeightCache goes too.
+            lab.api.delete(wc_path(ns, "enginesets", "chat"))
+            cleaner = wait_for(lambda: next(iter(lab.api.get(pods_path(ns), labelSelector=(
+                "weightcache.io/compile-cache-of=chat"))["items"]), None), timeout=60, what="the cleaner pod")
+            spec = cleaner["spec"]
+            assert spec["nodeName"] == NODE and spec["restartPolicy"] == "Never"
+            hostpath = spec["volumes"][0]["hostPath"]["path"]
+            assert hostpath == os.path.dirname(os.path.dirname(volume["hostPath"]["path"]))  # <root>/<namespace>
+            container, = spec["containers"]
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+            argv = [a.replace(container["volumeMounts"][0]["mountPath"], str(host / hostpath.lstrip("/")))
+                    for a in container["command"]]
+            assert argv[0] == "weightcache"
+            entry = shutil.which("weightcache")
+            command = [entry, *argv[1:]] if entry else [sys.executable, "-m", "weightcache_agent.cli", *argv[1:]]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            assert "removed chat/" in done.stdout, done.stdout
+            assert not (host / hostpath.lstrip("/") / "chat").exists()
+            assert (outside / "keep").read_text() == "not the cache's"
+            assert lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is not None  # held until it is done
+            lab.api.patch(pods_path(ns, cleaner["metadata"]["name"]) + "/status", {"status": {
+                "phase": "Succeeded", "containerStatuses": [{"name": "prune", "ready": False, "restartCount": 0,
+                                                             "image": container["image"], "imageID": "",
+                                                             "state": {"terminated": {"exitCode": 0}}}]}})
+            wait_for(lambda: (p := lab.api.get_or_none(pods_path(ns, cleaner["metadata"]["name"]))) is None
+                     or p["metadata"].get("deletionTimestamp"), timeout=60, what="the cleaner pod deleted")
             # On a control plane shared with many earlier tests, the garbage collector's pass has
             # lagged beyond a minute: these waits are deadlines, not bars.
-            lab.api.delete(wc_path(ns, "enginesets", "chat"))
             wait_for(lambda: lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is None, timeout=180,
                      what="the EngineSet gone")
             # The garbage collector, not the operator, takes the children.

@@ -33,7 +33,7 @@ AGENT = Package("weightcache_agent", pathlib.Path(weightcache_agent.__file__).pa
     {"client": {"client"}, "serve": {"serve"}, "testing": {"testing"}},
     {"integrations": {"integrations"}},
     {"engine": {"engine"}},
-    {"cli": {"cli", "__init__", "__main__"}},
+    {"cli": {"cli", "compile_cache_prune", "__init__", "__main__"}},
 ))
 # By resource: an EngineSet runs on a WeightCache's agents, so its controller reads the cache's;
 # the WeightCache's never reads the EngineSet's.

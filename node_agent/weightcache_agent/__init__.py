@@ -22,6 +22,7 @@ subpackage), which `tests/test_layers.py` checks:
   integrations  transformers (`from_cache`)             attach paths for model libraries (optional extras)
   engine    reference engine, model, demo                a user of all of the above
   cli       `weightcache` subcommands                    the entry points
+            (compile_cache_prune: a node's compile caches)
 """
 from __future__ import annotations
 

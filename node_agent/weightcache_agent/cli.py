@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("engine", help="run the reference inference engine", add_help=False)
     sub.add_parser("demo", help="the whole story on this machine: load, attach, serve, fail over", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator", add_help=False)
+    sub.add_parser("compile-cache-prune", help="remove an EngineSet's compile caches from this node",
+                   add_help=False)
     sub.add_parser("build-native", help="compile the torch-native attach binder for the torch installed here",
                    add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
@@ -44,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         from .engine.demo import main as run
     elif command == "operator":
         from weightcache_operator.cli import main as run
+    elif command == "compile-cache-prune":
+        from .compile_cache_prune import main as run
     elif command == "build-native":
         from .client.native_cli import main as run
     else:

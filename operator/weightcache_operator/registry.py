@@ -7,8 +7,8 @@ The login handler builds the one API client both reconciles share; ``cli`` and t
 tests run the registry with ``build_settings``.
 
 Finalizer: the only one is kopf's own (``weightcache.io/operator``), which kopf puts
-on every object that has a timer so that it can stop the object's timer before the
-object goes; without it a timer would outlive its object (kopf stops timers only
+on every object that has a timer or a deletion handler so that it can stop the object's
+timer before the object goes; without it a timer would outlive its object (kopf stops timers only
 on a deletion timestamp) and keep polling and re-creating children. It also holds the
 deletion of a WeightCache that an EngineSet still names in ``spec.cacheRef``, as
 Kubernetes holds a PersistentVolumeClaim a pod uses: the deletion handler finds the
@@ -18,7 +18,8 @@ would go while the EngineSet's pods keep routing to engines whose agent is gone.
 DaemonSet and ConfigMap go through owner-reference garbage collection. Consequence:
 while no operator runs, deleting a WeightCache waits for the operator to come back (or
 for someone to remove the finalizer); the chart's notes say to delete WeightCaches
-before uninstalling the operator.
+before uninstalling the operator. An EngineSet's deletion handler removes its compile
+caches from the nodes its engines ran on (``compile_cache_cleanup``) before it goes.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from kubernetes.client.exceptions import ApiException
 
 from .api.v1alpha1 import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
 from .config import OperatorConfig
+from .controller.engineset.compile_cache_cleanup import CompileCacheCleanup
 from .controller.engineset.reconciler import EngineSetReconciler
 from .controller.weightcache.reconciler import Reconciler
 from .kube import KubeApi, connection_info, load_client_configuration
@@ -89,13 +91,14 @@ def build_registry(
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(config)
     engines = EngineSetReconciler(config)
+    compile_caches = CompileCacheCleanup(config)
     resource = (API_GROUP, API_VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
         cfg = load_client_configuration(kubeconfig, context)
         old, reconciler.api = reconciler.api, KubeApi(cfg)
-        engines.api = reconciler.api
+        engines.api = compile_caches.api = reconciler.api
         if old is not None:
             old.close()
         logger.info(f"logged in to {cfg.host}")
@@ -125,6 +128,14 @@ def build_registry(
     register_level_based(registry, (API_GROUP, API_VERSION, ENGINESET_PLURAL), engines.reconcile, config,
                          ("engineset-resume", "engineset-create", "engineset-update", "engineset-poll"),
                          ENGINESET_KIND)
+
+    @kopf.on.delete(API_GROUP, API_VERSION, ENGINESET_PLURAL, registry=registry, id="compile-cache-cleanup")
+    def compile_cache_cleanup(body: kopf.Body, **_: Any) -> None:
+        # sync: kopf runs it in its thread pool, where the API client's blocking calls belong
+        try:
+            compile_caches.on_delete(body)
+        except ApiException as e:
+            raise kopf.TemporaryError(f"compile-cache cleanup: API error {e.status}: {e.reason}", delay=5) from e
     return registry, reconciler
 
 
