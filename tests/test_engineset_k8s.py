@@ -166,47 +166,88 @@ def test_engineset_on_a_real_api_server_with_the_charts_rbac(k8s_chart: Lab, ns:
                        if v["name"] == "weightcache-compile-cache"]
             host = tmp_path / "node"  # the node's filesystem root
             cache_dir = host / volume["hostPath"]["path"].lstrip("/")
+            key = cache_dir.name
             (cache_dir / "vllm").mkdir(parents=True)
             (cache_dir / "vllm" / "artifact").write_bytes(os.urandom(1 << 16))
             outside = tmp_path / "outside"
             outside.mkdir()
             (outside / "keep").write_text("not the cache's")
             (cache_dir / "escape").symlink_to(outside, target_is_directory=True)
+            es_meta = lab.api.get(wc_path(ns, "enginesets", "chat"))["metadata"]
+            assert es_meta["annotations"]["weightcache.io/compile-cache-key"] == key  # its first key: nothing to prune
+            assert es_meta["annotations"]["weightcache.io/compile-cache-nodes"] == NODE
 
-            # Deleting the EngineSet: its compile caches are removed on its node first (the operator's
-            # cleaner pod, run here as the kubelet would), then kopf lets it go, the garbage collector
+            def cleaners(keep: str) -> dict[str, dict[str, Any]] | None:
+                pods = lab.api.get(pods_path(ns), labelSelector=(
+                    f"weightcache.io/compile-cache-of=chat,weightcache.io/compile-cache-keep={keep}"))["items"]
+                return {p["spec"]["nodeName"]: p for p in pods} or None
+
+            def run_cleaner(pod: dict[str, Any]) -> subprocess.CompletedProcess:
+                """The kubelet's part: the container's command as a process, its host path a directory here."""
+                spec = pod["spec"]
+                assert spec["restartPolicy"] == "Never" and spec["tolerations"] == [{"operator": "Exists"}]
+                hostpath = spec["volumes"][0]["hostPath"]["path"]
+                assert hostpath == os.path.dirname(os.path.dirname(volume["hostPath"]["path"]))  # <root>/<namespace>
+                container, = spec["containers"]
+                assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+                argv = [a.replace(container["volumeMounts"][0]["mountPath"], str(host / hostpath.lstrip("/")))
+                        for a in container["command"]]
+                assert argv[0] == "weightcache"
+                entry = shutil.which("weightcache")
+                command = [entry, *argv[1:]] if entry else [sys.executable, "-m", "weightcache_agent.cli", *argv[1:]]
+                done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                assert done.returncode == 0, done.stderr
+                return done
+
+            def finished(pod: dict[str, Any], code: int) -> None:
+                lab.api.patch(pods_path(ns, pod["metadata"]["name"]) + "/status", {"status": {
+                    "phase": "Succeeded" if code == 0 else "Failed", "containerStatuses": [{
+                        "name": "prune", "ready": False, "restartCount": 0, "image": pod["spec"]["containers"][0]["image"],
+                        "imageID": "", "state": {"terminated": {"exitCode": code}}}]}})
+
+            def warned(text: str) -> bool:
+                return any(e.get("reason") == "CompileCacheLeft" and text in e.get("message", "") for e in lab.api.get(
+                    ns_path(ns, "events"), fieldSelector="involvedObject.name=chat")["items"])
+
+            # A key that an image or model change left behind (the EngineSet's last settled key), on this node
+            # and on a node the EngineSet has left: once every pod mounts the current key, cleaners remove the
+            # other keys on both nodes; the one whose node is gone fails, and an Event says what was left.
+            old = cache_dir.parent / "0123456789abcdef"
+            (old / "triton").mkdir(parents=True)
+            (old / "triton" / "kernel.cubin").write_bytes(os.urandom(1 << 16))
+            lab.api.patch(wc_path(ns, "enginesets", "chat"), {"metadata": {"annotations": {
+                "weightcache.io/compile-cache-key": old.name, "weightcache.io/compile-cache-nodes": f"{NODE},node-gone"}}})
+            pruning = wait_for(lambda: (c := cleaners(key)) and len(c) == 2 and c, timeout=60,
+                               what="a cleaner per recorded node")
+            assert pruning[NODE]["spec"]["containers"][0]["command"][-2:] == ["--keep", key]
+            assert run_cleaner(pruning[NODE]).stdout.strip() == "removed chat/0123456789abcdef: 0.1 MiB"
+            assert not old.exists() and (cache_dir / "vllm" / "artifact").exists()
+            finished(pruning[NODE], 0)
+            finished(pruning["node-gone"], 1)
+            wait_for(lambda: warned(f"node-gone (cleaner Failed); on each such node run `weightcache "
+                                    f"compile-cache-prune /var/lib/weightcache/compile-cache/{ns} chat --keep {key}`"),
+                     timeout=60, what="the CompileCacheLeft Event")
+            wait_for(lambda: lab.api.get(wc_path(ns, "enginesets", "chat"))["metadata"]["annotations"][
+                "weightcache.io/compile-cache-key"] == key and cleaners(key) is None, timeout=60,
+                what="the current key recorded, the cleaners gone")
+
+            # Deleting the EngineSet: its compile caches are removed on every node it ran on first (the
+            # operator's cleaners, run here as the kubelet would), then kopf lets it go, the garbage collector
             # takes the children, and then the held WeightCache goes too.
             lab.api.delete(wc_path(ns, "enginesets", "chat"))
-            cleaner = wait_for(lambda: next(iter(lab.api.get(pods_path(ns), labelSelector=(
-                "weightcache.io/compile-cache-of=chat"))["items"]), None), timeout=60, what="the cleaner pod")
-            spec = cleaner["spec"]
-            assert spec["nodeName"] == NODE and spec["restartPolicy"] == "Never"
-            hostpath = spec["volumes"][0]["hostPath"]["path"]
-            assert hostpath == os.path.dirname(os.path.dirname(volume["hostPath"]["path"]))  # <root>/<namespace>
-            container, = spec["containers"]
-            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-            argv = [a.replace(container["volumeMounts"][0]["mountPath"], str(host / hostpath.lstrip("/")))
-                    for a in container["command"]]
-            assert argv[0] == "weightcache"
-            entry = shutil.which("weightcache")
-            command = [entry, *argv[1:]] if entry else [sys.executable, "-m", "weightcache_agent.cli", *argv[1:]]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-            assert done.returncode == 0, done.stderr
-            assert "removed chat/" in done.stdout, done.stdout
-            assert not (host / hostpath.lstrip("/") / "chat").exists()
+            deleting = wait_for(lambda: (c := cleaners("none")) and len(c) == 2 and c, timeout=60,
+                                what="the deletion's cleaners")
+            assert "removed chat/" in run_cleaner(deleting[NODE]).stdout
+            assert not cache_dir.parent.exists()
             assert (outside / "keep").read_text() == "not the cache's"
-            assert lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is not None  # held until it is done
-            lab.api.patch(pods_path(ns, cleaner["metadata"]["name"]) + "/status", {"status": {
-                "phase": "Succeeded", "containerStatuses": [{"name": "prune", "ready": False, "restartCount": 0,
-                                                             "image": container["image"], "imageID": "",
-                                                             "state": {"terminated": {"exitCode": 0}}}]}})
-            wait_for(lambda: (p := lab.api.get_or_none(pods_path(ns, cleaner["metadata"]["name"]))) is None
-                     or p["metadata"].get("deletionTimestamp"), timeout=60, what="the cleaner pod deleted")
-            # On a control plane shared with many earlier tests, the garbage collector's pass has
-            # lagged beyond a minute: these waits are deadlines, not bars.
+            assert lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is not None  # held until they are done
+            finished(deleting[NODE], 0)
+            finished(deleting["node-gone"], 1)
+            wait_for(lambda: cleaners("none") is None, timeout=60, what="the deletion's cleaners deleted")
             wait_for(lambda: lab.api.get_or_none(wc_path(ns, "enginesets", "chat")) is None, timeout=180,
                      what="the EngineSet gone")
-            # The garbage collector, not the operator, takes the children.
+            # The garbage collector, not the operator, takes the children. On a control plane shared with many
+            # earlier tests, its pass has lagged beyond a minute: these waits are deadlines, not bars.
             wait_for(lambda: lab.api.get_or_none(ns_path(ns, "services", "chat")) is None, timeout=180,
                      what="the Service collected")
             for n in ("chat-0-0", "chat-0-1"):

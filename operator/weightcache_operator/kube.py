@@ -255,6 +255,12 @@ class KubeApi:
             API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"status": dict(status_patch)},
             _content_type=MERGE_PATCH, _preload_content=False))
 
+    def annotate_engineset(self, namespace: str, name: str, annotations: Mapping[str, str | None]) -> None:
+        """Set (None: drop) annotations of an EngineSet."""
+        self._custom.patch_namespaced_custom_object(
+            API_GROUP, API_VERSION, namespace, ENGINESET_PLURAL, name, {"metadata": {"annotations": dict(annotations)}},
+            _content_type=MERGE_PATCH, _preload_content=False)
+
     def remove_engineset_annotation(self, namespace: str, name: str, key: str, resource_version: str | None) -> None:
         """Drop one annotation; with ``resource_version``, only from that version (409 otherwise)."""
         meta: dict[str, Any] = {"annotations": {key: None}}

@@ -34,7 +34,6 @@ from kubernetes.client.exceptions import ApiException
 
 from .api.v1alpha1 import API_GROUP, API_VERSION, ENGINESET_KIND, ENGINESET_PLURAL, KIND, PLURAL
 from .config import OperatorConfig
-from .controller.engineset.compile_cache_cleanup import CompileCacheCleanup
 from .controller.engineset.reconciler import EngineSetReconciler
 from .controller.weightcache.reconciler import Reconciler
 from .kube import KubeApi, connection_info, load_client_configuration
@@ -91,14 +90,13 @@ def build_registry(
     registry = kopf.OperatorRegistry()
     reconciler = Reconciler(config)
     engines = EngineSetReconciler(config)
-    compile_caches = CompileCacheCleanup(config)
     resource = (API_GROUP, API_VERSION, PLURAL)
 
     @kopf.on.login(registry=registry)
     def login(settings: kopf.OperatorSettings, logger: Any, **_: Any) -> kopf.ConnectionInfo:
         cfg = load_client_configuration(kubeconfig, context)
         old, reconciler.api = reconciler.api, KubeApi(cfg)
-        engines.api = compile_caches.api = reconciler.api
+        engines.api = reconciler.api
         if old is not None:
             old.close()
         logger.info(f"logged in to {cfg.host}")
@@ -133,7 +131,8 @@ def build_registry(
     def compile_cache_cleanup(body: kopf.Body, **_: Any) -> None:
         # sync: kopf runs it in its thread pool, where the API client's blocking calls belong
         try:
-            compile_caches.on_delete(body)
+            assert reconciler.api is not None
+            engines.compile_caches.on_delete(reconciler.api, body)
         except ApiException as e:
             raise kopf.TemporaryError(f"compile-cache cleanup: API error {e.status}: {e.reason}", delay=5) from e
     return registry, reconciler

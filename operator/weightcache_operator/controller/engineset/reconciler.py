@@ -35,12 +35,16 @@ pure functions in the sibling modules, the steps only read and write the API:
    has a serving pod. A group whose agent did not answer keeps its labels (the node's
    rank 0 writes the label itself at a failover);
 7. ``_ensure_engine_service``: create or patch the Service (``owned``);
+   ``_clean_compile_caches``: the nodes of its compile caches recorded, and the keys an
+   image or model change left behind removed once no pod uses them
+   (``compile_cache_cleanup``);
 8. status (groups, counts, selector for the scale subresource, conditions;
    ``status``), written only when it changed; an Event for every condition change and
    every failover seen (the agent's primary of a group changed).
 
 Everything the operator writes is owned by the EngineSet (controller reference), so
-deleting it removes pods, claims and the Service through garbage collection; the
+deleting it removes pods, claims and the Service through garbage collection (its compile
+caches on the nodes: the deletion handler, ``compile_cache_cleanup``); the
 WeightCache is never touched. Nothing is remembered between passes that is not in
 the API, except the time each primary was last seen (for the failover duration).
 """
@@ -60,10 +64,14 @@ from kubernetes.client.exceptions import ApiException
 from ...api.v1alpha1.engineset_types import parse_engineset
 from ...api.v1alpha1.weightcache_types import SpecError, plain
 from ...conditions import DEGRADED, Desired, holds, merge
+from ...config import OperatorConfig
+from ...kube import KubeApi
 from ...owned_status import carried_status, publish_status
 from ...reconciler import ObjectReconciler
 from ..weightcache.control import SwitchoverError, control_token, post_switchover
 from .cache_view import AGENT_SNAPSHOT_AGE_S, cache_view, still_not_primary
+from .compile_cache import compile_cache_dir
+from .compile_cache_cleanup import CompileCacheCleanup
 from .groups import (
     GroupRoles,
     engine_pods,
@@ -115,6 +123,10 @@ from .switchover import ANNOTATION_SWITCHOVER, requested_group, requested_switch
 class EngineSetReconciler(ObjectReconciler):
     """One instance per operator run; shares the API client with the WeightCache reconciler."""
 
+    def __init__(self, config: OperatorConfig, api: KubeApi | None = None) -> None:
+        super().__init__(config, api)
+        self.compile_caches = CompileCacheCleanup(config)
+
     async def _reconcile(self, body: kopf.Body, memo: kopf.Memo, logger: Any) -> None:
         assert self.api is not None  # reconcile() waits for the login
         m = body.get("metadata") or {}
@@ -157,6 +169,7 @@ class EngineSetReconciler(ObjectReconciler):
 
         await self._ensure_serving_labels(scope)
         await self._ensure_engine_service(scope)
+        await self._clean_compile_caches(scope)
         fill_status(scope.new_status, scope.tally, scope.thash, scope.rolling, scope.step)
         return [*conditions(scope.es, scope.view, scope.tally, unplaced, placed), progressing(scope.rolling, scope.step)]
 
@@ -165,6 +178,7 @@ class EngineSetReconciler(ObjectReconciler):
     async def _take_inventory(self, scope: EngineSetScope) -> Inventory:
         assert self.api is not None
         pods = await asyncio.to_thread(list_owned, self.api, "Pod", scope.namespace, scope.name, scope.uid)
+        scope.pods = pods
         claims = await asyncio.to_thread(list_owned, self.api, "ResourceClaim", scope.namespace, scope.name,
                                          scope.uid) if scope.es.mode == "dra" else []
         return take_inventory(scope.name, pods, claims)
@@ -436,3 +450,8 @@ class EngineSetReconciler(ObjectReconciler):
             scope.note(action, "Service", scope.es.service_name)
         elif action == "conflict":
             scope.tally.conflicts.append(f"Service {scope.es.service_name}")
+
+    async def _clean_compile_caches(self, scope: EngineSetScope) -> None:
+        assert self.api is not None
+        directory = compile_cache_dir(scope.es, scope.view.spec, self.config, scope.namespace, scope.name)
+        await asyncio.to_thread(self.compile_caches.after_pass, self.api, scope.body, scope.pods, directory)

@@ -34,6 +34,7 @@ class EngineSetScope:
     view: CacheView
     old_status: Mapping[str, Any]
     new_status: dict[str, Any]
+    pods: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # as listed, terminating ones too
     thash: str = ""  # the template hash every pod should run
     rolling: int | None = None  # the group the rollout works on
     step: Step | None = None  # that group's step in this pass
