@@ -220,6 +220,7 @@ class Client:
     """OpenAI completions, alternating groups, routed by the EndpointSlice (one retry)."""
 
     example: VllmExample
+    retry_wait_s: float = RETRY_WAIT_S
     records: list[Request] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -251,8 +252,8 @@ class Client:
 
     def _wait_for_another_endpoint(self, group: int, failed: str) -> None:
         """Before the one retry: until the EndpointSlice lists another engine of the group than the one
-        that failed (a client behind a Service retries once the Service moved), at most RETRY_WAIT_S."""
-        deadline = time.monotonic() + RETRY_WAIT_S
+        that failed (a client behind a Service retries once the Service moved), at most `retry_wait_s`."""
+        deadline = time.monotonic() + self.retry_wait_s
         while time.monotonic() < deadline and not self.stop.is_set():
             if any(e2e_bench.group_of(n) == group and n != failed for n in self.example.watch.current()):
                 return
