@@ -182,11 +182,12 @@ class Engine:
     """One vLLM OpenAI server, a process session of its own, its log in a file."""
 
     def __init__(self, name: str, model: str, workdir: str, fmt: str, sock: str, kv_bytes: int,
-                 role: str | None = None, extra: tuple[str, ...] = ()):
+                 role: str | None = None, extra: tuple[str, ...] = (), launcher: tuple[str, ...] = ()):
         self.name, self.fmt, self.role = name, fmt, role
         self.port = free_port()
         self.log_path = os.path.join(workdir, f"{name}.log")
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name",
+        # launcher: a script run instead of `-m vllm.entrypoints.openai.api_server`, taking its arguments
+        args = [sys.executable, *(launcher or ("-m", "vllm.entrypoints.openai.api_server")), "--model", model, "--served-model-name",
                 "m", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "1024",
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"]
         if CUDA:

@@ -125,24 +125,44 @@ def node_cache(work: str) -> str:
     return os.path.dirname(vllm_gpu.compile_caches(work)["VLLM_CACHE_ROOT"])
 
 
+STARTED_AHEAD = os.path.join(HERE, "vllm_started_ahead.py")
+
+
 def start_engine(name: str, model: str, work: str, sock: str, kv: int, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = (), role: str | None = None) -> tuple[Engine, StampedLog]:
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # Engine passes this process's environment on
+                 extra: tuple[str, ...] = (), role: str | None = None,
+                 ahead: bool = False) -> tuple[Engine, StampedLog]:
+    """A fresh engine process; `ahead`: started ahead of need (bench/vllm_started_ahead.py), imported and
+    waiting, then told to go, its clock starting at the go."""
+    go = os.path.join(work, f"{name}.go")
+    env = dict(env or {}, **({"WEIGHTCACHE_GO_FILE": go} if ahead else {}))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # Engine passes this process's environment on
     try:
-        engine = Engine(name, model, work, "weightcache", sock, kv, role=role, extra=extra)
+        engine = Engine(name, model, work, "weightcache", sock, kv, role=role, extra=extra,
+                        launcher=(STARTED_AHEAD,) if ahead else ())
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+    if ahead:
+        deadline = time.perf_counter() + 300
+        while "imported" not in engine.text():
+            if not engine.alive() or time.perf_counter() > deadline:
+                engine._fail("the process started ahead did not import vLLM")
+            time.sleep(0.01)
+        engine.imported_s = time.perf_counter() - engine.started
+        open(go, "w").close()
+        engine.started = time.perf_counter()
     return engine, StampedLog(engine)
 
 
 AOT_LOADED = re.compile(r"Directly load AOT compilation from path")
 GRAPHS_LOADED = re.compile(r"Directly load the compiled graph")
 RECOMPILED = re.compile(r"Compiling model again due to a load failure")
+# vLLM starts its engine core process with fork unless something forces spawn, which imports again
+SPAWN_FORCED = re.compile(r"Overriding VLLM_WORKER_MULTIPROC_METHOD to 'spawn'.*?Reason: [^\n]*")
 
 
 def cache_said(text: str) -> str:
@@ -164,11 +184,13 @@ def finish(name: str, engine: Engine, stamped: StampedLog, seconds: float) -> di
         stamped.stop()
         engine.stop()
     phases = stamped.phases(seconds)
-    said = cache_said(engine.text())
+    said, text = cache_said(engine.text()), engine.text()
+    spawned = SPAWN_FORCED.search(text)
     log(f"{name}: first token {seconds:.2f} s, decode {rate:.1f} tokens/s, cache: {said}, " +
-        ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+        ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + (f"; {spawned[0]}" if spawned else ""))
     return {"name": name, "seconds": seconds, "decode_tokens_per_s": rate, "phases": phases, "cache": said,
-            "tokens": tokens if ok else None}
+            "tokens": tokens if ok else None, "spawn_forced": spawned[0] if spawned else None,
+            "imported_ahead_s": getattr(engine, "imported_s", None)}
 
 
 def timed_start(name: str, model: str, work: str, sock: str, kv: int, **kw) -> dict:
@@ -203,23 +225,49 @@ def import_only() -> float:
     return time.perf_counter() - t
 
 
-def replacement_standby(model: str, work: str, sock: str, kv: int) -> dict:
-    """A primary and a sleeping standby; the primary killed and a new standby started at once."""
+def replacement_standby(model: str, work: str, sock: str, kv: int, ahead: bool = False,
+                        env: dict[str, str] | None = None) -> dict:
+    """A primary and a sleeping standby; the primary killed and a new standby started at once (`ahead`:
+    a process started ahead of need, imported and waiting since before the kill, told to go at it)."""
     leases = Leases(sock)
-    primary, _ = start_engine("rs-primary", model, work, sock, kv, role="primary")
+    tag = "rs-ahead" if ahead else "rs"
+    primary, _ = start_engine(f"{tag}-primary", model, work, sock, kv, role="primary", env=env)
     primary.first_token()
-    standby, _ = start_engine("rs-standby", model, work, sock, kv, role="standby")
+    standby, _ = start_engine(f"{tag}-standby", model, work, sock, kv, role="standby", env=env)
     first_standby = standby.warm_standby()
-    t_kill = time.perf_counter()
-    primary.kill()
-    replacement, stamped = start_engine("rs-replacement", model, work, sock, kv, role="standby")
+    go = os.path.join(work, f"{tag}-replacement.go")
+    saved = {k: os.environ.get(k) for k in ("WEIGHTCACHE_GO_FILE", *(env or {}))}
+    os.environ.update(dict(env or {}, WEIGHTCACHE_GO_FILE=go))
+    try:
+        if ahead:
+            replacement = Engine(f"{tag}-replacement", model, work, "weightcache", sock, kv, role="standby",
+                                 launcher=(STARTED_AHEAD,))
+            while "imported" not in replacement.text():
+                if not replacement.alive():
+                    replacement._fail("the process started ahead did not import vLLM")
+                time.sleep(0.01)
+        t_kill = time.perf_counter()
+        primary.kill()
+        if ahead:
+            open(go, "w").close()
+        else:
+            replacement = Engine(f"{tag}-replacement", model, work, "weightcache", sock, kv, role="standby")
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    replacement.started = t_kill
+    stamped = StampedLog(replacement)
     replacement.warm_standby()
     sleeping = time.perf_counter() - t_kill
     promoted = leases.role_of(standby)
     stamped.stop()
     for engine in (replacement, standby, primary):
         engine.stop()
-    log(f"replacement standby: kill -> new standby sleeping {sleeping:.2f} s (first standby {first_standby:.2f} s)")
+    log(f"replacement standby{' started ahead' if ahead else ''}: kill -> new standby sleeping {sleeping:.2f} s "
+        f"(first standby {first_standby:.2f} s)")
     return {"kill_to_new_standby_sleeping": sleeping, "first_standby_start_to_sleeping": first_standby,
             "old_standby_role_after": promoted, "replacement_phases": stamped.phases(sleeping)}
 
@@ -246,6 +294,9 @@ def main() -> int:
     p.add_argument("--out", default=os.path.join(HERE, "out"))
     p.add_argument("--only", default="", help="comma-separated warm variants to run alone on the node cache "
                    "a full run left (e.g. 'warm 1,in-process'), for a second look at one idea")
+    p.add_argument("--ideas", choices=("all", "ahead"), default="all",
+                   help="ahead: of the ideas, only the engine core forked and the process started ahead (with "
+                   "the cold and warm starts and the replacement standby); all: every idea")
     args = p.parse_args()
     import torch
     import vllm
@@ -281,8 +332,11 @@ def main() -> int:
 
     one_graph = ("--compilation-config", '{"cudagraph_capture_sizes": [1]}')
     in_process = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    fork = {"VLLM_WORKER_MULTIPROC_METHOD": "fork"}
+    every = args.ideas == "all"
     if args.only:
-        variants = {"warm 1": {}, "in-process": {"env": in_process}}
+        variants = {"warm 1": {}, "in-process": {"env": in_process}, "fork": {"env": fork}, "ahead": {"ahead": True},
+                    "ahead+fork": {"ahead": True, "env": fork}}
         try:
             for name in args.only.split(","):
                 add(step(name, lambda: timed_start(name, model, work, sock, kv, **variants[name])))
@@ -297,16 +351,24 @@ def main() -> int:
             d: du(os.path.join(node_cache(work), d)) for d in sorted(os.listdir(node_cache(work)))})
         for i in (1, 2):
             add(step(f"warm {i}", lambda: timed_start(f"warm {i}", model, work, sock, kv)))
-        add(step("no AOT", lambda: timed_start("warm, no AOT artifact", model, work, sock, kv,
-                                               env={"VLLM_USE_AOT_COMPILE": "0"})))
-        step("graphs first", lambda: timed_start("CUDA graphs [1], first", model, work, sock, kv, extra=one_graph))
-        add(step("graphs", lambda: timed_start("warm, CUDA graphs [1]", model, work, sock, kv, extra=one_graph)))
-        add(step("eager", lambda: timed_start("warm, eager", model, work, sock, kv, extra=("--enforce-eager",))))
-        add(step("in-process", lambda: timed_start("warm, engine core in-process", model, work, sock, kv,
-                                                   env=in_process)))
+        if every:
+            add(step("no AOT", lambda: timed_start("warm, no AOT artifact", model, work, sock, kv,
+                                                   env={"VLLM_USE_AOT_COMPILE": "0"})))
+            step("graphs first", lambda: timed_start("CUDA graphs [1], first", model, work, sock, kv,
+                                                     extra=one_graph))
+            add(step("graphs", lambda: timed_start("warm, CUDA graphs [1]", model, work, sock, kv, extra=one_graph)))
+            add(step("eager", lambda: timed_start("warm, eager", model, work, sock, kv, extra=("--enforce-eager",))))
+            add(step("in-process", lambda: timed_start("warm, engine core in-process", model, work, sock, kv,
+                                                       env=in_process)))
+        add(step("fork", lambda: timed_start("warm, engine core forked", model, work, sock, kv, env=fork)))
+        add(step("ahead", lambda: timed_start("warm, started ahead", model, work, sock, kv, ahead=True)))
+        add(step("ahead, fork", lambda: timed_start("warm, started ahead, forked", model, work, sock, kv,
+                                                    ahead=True, env=fork)))
         data["import_only_s"] = step("import only", lambda: [import_only() for _ in range(2)]) or []
         data["standby"] = step("replacement standby", lambda: replacement_standby(model, work, sock, kv))
-        data["together"] = step("together", lambda: started_together(model, work, sock, kv)) or []
+        data["standby_ahead"] = step("replacement standby started ahead", lambda: replacement_standby(
+            model, work, sock, kv, ahead=True, env=fork))
+        data["together"] = (step("together", lambda: started_together(model, work, sock, kv)) or []) if every else []
     finally:
         data["runs"] = runs
         agent.stop()
@@ -318,6 +380,7 @@ def main() -> int:
     s, together = data["standby"] or {}, data["together"]
     sizes = data.get("node_cache_bytes_after_cold") or {}
     kill_to_standby = s.get("kill_to_new_standby_sleeping", float("nan"))
+    kill_to_ahead = (data["standby_ahead"] or {}).get("kill_to_new_standby_sleeping", float("nan"))
     lines = head + [
         "Seconds per phase (each ends at the vLLM line named in bench/vllm_startup.py); fresh processes, in order:",
         "", *table(runs), "",
@@ -328,6 +391,11 @@ def main() -> int:
         f"**{kill_to_standby:.2f} s** (the first standby, started beside a serving primary: "
         f"{s.get('first_standby_start_to_sleeping', float('nan')):.2f} s; the old standby's role afterwards: "
         f"{s.get('old_standby_role_after')}).",
+        f"Replacement standby started ahead (imported and waiting before the kill, engine core forked): kill -> "
+        f"sleeping **{kill_to_ahead:.2f} s** (phases: " + ", ".join(
+            f"{k} {v:.2f}" for k, v in ((data["standby_ahead"] or {}).get("replacement_phases") or {}).items()) + ").",
+        "vLLM forced spawn for its engine core: " + "; ".join(
+            f"{r['name']}: {r['spawn_forced']}" for r in runs if r.get("spawn_forced")) + ".",
         f"Node cache after the cold start: {sum(sizes.values()) / 2**20:.1f} MiB "
         f"({', '.join(f'{k} {v / 2**20:.1f} MiB' for k, v in sizes.items())}).",
         "Two engines started together on an emptied node cache, then a third: " +
@@ -337,7 +405,7 @@ def main() -> int:
         bars_line({"a start after two compiled at once loads vLLM's artifact":
                    bool(together) and together[-1]["cache"] == "artifact loaded",
                    "warm start <= 10 s": warm_s <= 10.0, "warm start < 5 s": warm_s < 5.0,
-                   "replacement standby sleeping <= 10 s after the kill": kill_to_standby <= 10.0}),
+                   "replacement standby sleeping <= 10 s after the kill": kill_to_standby <= 10.0 or kill_to_ahead <= 10.0}),
     ]
     report(args.out, "vllm_startup", lines, data)
     return 0
