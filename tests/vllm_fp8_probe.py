@@ -93,8 +93,11 @@ def load(check: dict) -> dict:
     tp, rank = check.get("tp", 1), check.get("rank", 0)
     with set_current_vllm_config(config):
         if not model_parallel_is_initialized():  # once per process: a process is one rank of one group
+            port = check.get("port") or free_port()
+            # vLLM's CPU worker names the group's shared memory after its rendezvous port; so do the ranks here
+            os.environ["VLLM_DIST_IDENT"] = str(port)
             init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{check.get('port') or free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{port}")
             initialize_model_parallel(tp)
         loader = get_model_loader(config.load_config)
         try:
