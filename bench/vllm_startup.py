@@ -295,8 +295,8 @@ def main() -> int:
     p.add_argument("--only", default="", help="comma-separated warm variants to run alone on the node cache "
                    "a full run left (e.g. 'warm 1,in-process'), for a second look at one idea")
     p.add_argument("--ideas", choices=("all", "ahead"), default="all",
-                   help="ahead: of the ideas, only the engine core forked and the process started ahead (with "
-                   "the cold and warm starts and the replacement standby); all: every idea")
+                   help="ahead: one cold and one warm start, the engine core forked, the process started ahead "
+                   "and forked, the replacement standby plain and started ahead; all: every idea")
     args = p.parse_args()
     import torch
     import vllm
@@ -349,7 +349,7 @@ def main() -> int:
         add(step("cold", lambda: timed_start("cold", model, work, sock, kv)))
         data["node_cache_bytes_after_cold"] = step("cache size", lambda: {
             d: du(os.path.join(node_cache(work), d)) for d in sorted(os.listdir(node_cache(work)))})
-        for i in (1, 2):
+        for i in (1, 2) if every else (1,):
             add(step(f"warm {i}", lambda: timed_start(f"warm {i}", model, work, sock, kv)))
         if every:
             add(step("no AOT", lambda: timed_start("warm, no AOT artifact", model, work, sock, kv,
@@ -361,10 +361,11 @@ def main() -> int:
             add(step("in-process", lambda: timed_start("warm, engine core in-process", model, work, sock, kv,
                                                        env=in_process)))
         add(step("fork", lambda: timed_start("warm, engine core forked", model, work, sock, kv, env=fork)))
-        add(step("ahead", lambda: timed_start("warm, started ahead", model, work, sock, kv, ahead=True)))
+        if every:
+            add(step("ahead", lambda: timed_start("warm, started ahead", model, work, sock, kv, ahead=True)))
         add(step("ahead, fork", lambda: timed_start("warm, started ahead, forked", model, work, sock, kv,
                                                     ahead=True, env=fork)))
-        data["import_only_s"] = step("import only", lambda: [import_only() for _ in range(2)]) or []
+        data["import_only_s"] = (step("import only", lambda: [import_only() for _ in range(2)]) or []) if every else []
         data["standby"] = step("replacement standby", lambda: replacement_standby(model, work, sock, kv))
         data["standby_ahead"] = step("replacement standby started ahead", lambda: replacement_standby(
             model, work, sock, kv, ahead=True, env=fork))
