@@ -32,10 +32,15 @@ Variants, each a fresh process:
   warm, eager              --enforce-eager: no torch.compile, no CUDA graphs (decode speed reported)
   warm, engine core in-process  VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in the API
                            server's process, which has imported vLLM already (one GPU, no TP)
+  warm, engine core forked VLLM_WORKER_MULTIPROC_METHOD=fork: vLLM's server spawns its engine core
+                           process (which imports vLLM again) unless told to fork it
+  warm, started ahead      the process started ahead of need (bench/vllm_started_ahead.py: vLLM's API
+                           server imported, no CUDA, waiting for a go), timed from the go; also forked
   import only              `python3 -c "import vllm.entrypoints.openai.api_server"`: the most an engine
                            process started ahead of need (imported, no CUDA yet) could save
   replacement standby      a group's primary serving, its standby sleeping; the primary SIGKILLed, a
-                           new standby started at once: kill -> the new standby attached and sleeping
+                           new standby started at once: kill -> the new standby attached and sleeping;
+                           then again with the new standby started ahead (forked), told to go at the kill
   two at once, then a third  two engines started together on an emptied node cache (both compile and
                            write it at the same time, as two pods of a node do), then a third start:
                            it must load vLLM's artifact ("Directly load AOT compilation") and all
@@ -45,7 +50,7 @@ Each start's row says what vLLM's log says of the cache (its artifact loaded, or
 node cache's size on disk after the cold start is reported (what one key of the operator's cache holds).
 
 Usage (vLLM importable by this python): python3 bench/vllm_startup.py [--layers 24 --hidden 4096]
-    [--out DIR]        (on the H200: WEIGHTCACHE_BENCH=bench/vllm_startup.py bench/vllm_gpu.sh start)
+    [--out DIR] [--ideas ahead]   (on the H200: WEIGHTCACHE_BENCH=bench/vllm_startup.py bench/vllm_gpu.sh start)
 """
 from __future__ import annotations
 
