@@ -86,8 +86,12 @@ def test_kubectl_get_shows_0_and_why_and_failures_are_warning_events(k8s_chart: 
         def settled() -> dict[str, dict[str, str]] | None:
             rows = table(lab.kubectl("get", "wc,wces", "-n", ns))
             statuses = {name.split("/")[-1]: row.get("STATUS") for name, row in rows.items()}
+            # NODES is the DaemonSet's desired count, which its controller sets after the operator's
+            # first status: the row has settled once that count has reached the status too
+            nodes = next((r.get("NODES") for n, r in rows.items() if n.startswith("weightcache.")
+                          and n.endswith("/noclaim")), None)
             return rows if statuses == {"nowhere": "NoNodes", "noclaim": "ClaimNotFound",
-                                        "orphan": "CacheNotFound"} else None
+                                        "orphan": "CacheNotFound"} and nodes not in (None, "", "0", "<none>") else None
 
         try:
             rows = wait_for(settled, timeout=90, interval=0.5, what="the STATUS column of each object")
