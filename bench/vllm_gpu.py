@@ -188,7 +188,8 @@ class Engine:
         self.log_path = os.path.join(workdir, f"{name}.log")
         # launcher: a script run instead of `-m vllm.entrypoints.openai.api_server`, taking its arguments
         args = [sys.executable, *(launcher or ("-m", "vllm.entrypoints.openai.api_server")),
-                "--model", model, "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16", "--max-model-len", "1024",
+                "--model", model, "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(self.port),
+                "--dtype", "bfloat16", "--max-model-len", "1024",
                 "--max-num-seqs", "16", "--kv-cache-memory-bytes", str(kv_bytes), "--seed", "0"]
         if CUDA:
             # the free-memory check at start-up: several engines share the GPU, each sized by its KV bytes

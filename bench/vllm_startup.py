@@ -55,6 +55,7 @@ Usage (vLLM importable by this python): python3 bench/vllm_startup.py [--layers 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -133,24 +134,28 @@ def node_cache(work: str) -> str:
 STARTED_AHEAD = os.path.join(HERE, "vllm_started_ahead.py")
 
 
-def start_engine(name: str, model: str, work: str, sock: str, kv: int, env: dict[str, str] | None = None,
-                 extra: tuple[str, ...] = (), role: str | None = None,
-                 ahead: bool = False) -> tuple[Engine, StampedLog]:
-    """A fresh engine process; `ahead`: started ahead of need (bench/vllm_started_ahead.py), imported and
-    waiting, then told to go, its clock starting at the go."""
-    go = os.path.join(work, f"{name}.go")
-    env = dict(env or {}, **({"WEIGHTCACHE_GO_FILE": go} if ahead else {}))
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """`env` set in this process's environment while an Engine is made (Engine passes it on)."""
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # Engine passes this process's environment on
+    os.environ.update(env)
     try:
-        engine = Engine(name, model, work, "weightcache", sock, kv, role=role, extra=extra,
-                        launcher=(STARTED_AHEAD,) if ahead else ())
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def launch(name: str, model: str, work: str, sock: str, kv: int, env: dict[str, str] | None = None,
+           extra: tuple[str, ...] = (), role: str | None = None, ahead: bool = False) -> Engine:
+    """A fresh engine process; `ahead`: started ahead of need (bench/vllm_started_ahead.py), returned once
+    it has imported vLLM and waits for `go`."""
+    with environment(dict(env or {}, **({"WEIGHTCACHE_GO_FILE": go_file(work, name)} if ahead else {}))):
+        engine = Engine(name, model, work, "weightcache", sock, kv, role=role, extra=extra,
+                        launcher=(STARTED_AHEAD,) if ahead else ())
     if ahead:
         deadline = time.perf_counter() + 300
         while "imported" not in engine.text():
@@ -158,8 +163,25 @@ def start_engine(name: str, model: str, work: str, sock: str, kv: int, env: dict
                 engine._fail("the process started ahead did not import vLLM")
             time.sleep(0.01)
         engine.imported_s = time.perf_counter() - engine.started
-        open(go, "w").close()
-        engine.started = time.perf_counter()
+    return engine
+
+
+def go_file(work: str, name: str) -> str:
+    return os.path.join(work, f"{name}.go")
+
+
+def go(engine: Engine, work: str) -> None:
+    """Tells an engine started ahead to start vLLM's server; its clock starts here."""
+    open(go_file(work, engine.name), "w").close()
+    engine.started = time.perf_counter()
+
+
+def start_engine(name: str, model: str, work: str, sock: str, kv: int, ahead: bool = False,
+                 **kw) -> tuple[Engine, StampedLog]:
+    """A fresh engine process timed from its start, or (`ahead`) from the go after its imports."""
+    engine = launch(name, model, work, sock, kv, ahead=ahead, **kw)
+    if ahead:
+        go(engine, work)
     return engine, StampedLog(engine)
 
 
@@ -189,8 +211,8 @@ def finish(name: str, engine: Engine, stamped: StampedLog, seconds: float) -> di
         stamped.stop()
         engine.stop()
     phases = stamped.phases(seconds)
-    said, text = cache_said(engine.text()), engine.text()
-    spawned = SPAWN_FORCED.search(text)
+    text = engine.text()
+    said, spawned = cache_said(text), SPAWN_FORCED.search(text)
     log(f"{name}: first token {seconds:.2f} s, decode {rate:.1f} tokens/s, cache: {said}, " +
         ", ".join(f"{k} {v:.2f}" for k, v in phases.items()) + (f"; {spawned[0]}" if spawned else ""))
     return {"name": name, "seconds": seconds, "decode_tokens_per_s": rate, "phases": phases, "cache": said,
@@ -240,29 +262,14 @@ def replacement_standby(model: str, work: str, sock: str, kv: int, ahead: bool =
     primary.first_token()
     standby, _ = start_engine(f"{tag}-standby", model, work, sock, kv, role="standby", env=env)
     first_standby = standby.warm_standby()
-    go = os.path.join(work, f"{tag}-replacement.go")
-    saved = {k: os.environ.get(k) for k in ("WEIGHTCACHE_GO_FILE", *(env or {}))}
-    os.environ.update(dict(env or {}, WEIGHTCACHE_GO_FILE=go))
-    try:
-        if ahead:
-            replacement = Engine(f"{tag}-replacement", model, work, "weightcache", sock, kv, role="standby",
-                                 launcher=(STARTED_AHEAD,))
-            while "imported" not in replacement.text():
-                if not replacement.alive():
-                    replacement._fail("the process started ahead did not import vLLM")
-                time.sleep(0.01)
-        t_kill = time.perf_counter()
-        primary.kill()
-        if ahead:
-            open(go, "w").close()
-        else:
-            replacement = Engine(f"{tag}-replacement", model, work, "weightcache", sock, kv, role="standby")
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    name = f"{tag}-replacement"
+    replacement = launch(name, model, work, sock, kv, role="standby", env=env, ahead=True) if ahead else None
+    t_kill = time.perf_counter()
+    primary.kill()
+    if replacement:
+        go(replacement, work)
+    else:
+        replacement = launch(name, model, work, sock, kv, role="standby", env=env)
     replacement.started = t_kill
     stamped = StampedLog(replacement)
     replacement.warm_standby()
@@ -411,7 +418,8 @@ def main() -> int:
         bars_line({"a start after two compiled at once loads vLLM's artifact":
                    bool(together) and together[-1]["cache"] == "artifact loaded",
                    "warm start <= 10 s": warm_s <= 10.0, "warm start < 5 s": warm_s < 5.0,
-                   "replacement standby sleeping <= 10 s after the kill": kill_to_standby <= 10.0 or kill_to_ahead <= 10.0}),
+                   "replacement standby sleeping <= 10 s after the kill":
+                       kill_to_standby <= 10.0 or kill_to_ahead <= 10.0}),
     ]
     report(args.out, "vllm_startup", lines, data)
     return 0
