@@ -141,6 +141,17 @@ def test_dra_pod_carries_the_contract() -> None:
     assert engineset().template == TEMPLATE
 
 
+def test_vllms_engine_core_is_forked_unless_the_template_says_otherwise() -> None:
+    pod = render_pod(engineset(), CACHE, CONFIG, "ml", "chat", GROUP, 0)
+    assert [env_of(c)["VLLM_WORKER_MULTIPROC_METHOD"] for c in pod["spec"]["containers"]] == ["fork", "fork"]
+    template = copy.deepcopy(TEMPLATE)
+    template["spec"]["containers"][0]["env"].append({"name": "VLLM_WORKER_MULTIPROC_METHOD", "value": "spawn"})
+    engine, sidecar = render_pod(engineset(template=template), CACHE, CONFIG, "ml", "chat", GROUP, 0)["spec"]["containers"]
+    assert [e for e in engine["env"] if e["name"] == "VLLM_WORKER_MULTIPROC_METHOD"] == [
+        {"name": "VLLM_WORKER_MULTIPROC_METHOD", "value": "spawn"}]  # the template's, once
+    assert env_of(sidecar)["VLLM_WORKER_MULTIPROC_METHOD"] == "fork"
+
+
 def test_visible_devices_pod_uses_the_runtime_and_no_gpu_request() -> None:
     es = engineset(gpuBinding={"mode": "visibleDevices", "runtimeClassName": "nvidia-cdi"})
     pod = render_pod(es, PVC_CACHE, CONFIG, "ml", "chat", GROUP, 0, serving=True)

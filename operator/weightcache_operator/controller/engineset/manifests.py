@@ -83,6 +83,12 @@ ENV_NAMES = (
     "WEIGHTCACHE_SHARDING", "NVIDIA_VISIBLE_DEVICES",
 )
 
+# vLLM's OpenAI server spawns its engine core unless this says otherwise, and a spawned process
+# imports vLLM again: 24-28 s of a warm start on an H100 (bench/RESULTS.md). Forked, the engine core
+# starts in under a second; vLLM still spawns where CUDA is already initialized in the parent. Other
+# engines ignore it; a template's own value wins.
+ENGINE_START_ENV: tuple[tuple[str, str], ...] = (("VLLM_WORKER_MULTIPROC_METHOD", "fork"),)
+
 
 def pod_name(name: str, group: int, slot: int) -> str:
     return f"{name}-{group}-{slot}"
@@ -235,10 +241,13 @@ def _our_mounts(cs: WeightCacheSpec, sockets: str) -> list[dict[str, Any]]:
 
 def _engine_container(container: Mapping[str, Any], es: EngineSetSpec, env: list[dict[str, Any]],
                       mounts: list[dict[str, Any]], sockets: str, compile_cache: bool) -> dict[str, Any]:
-    """One of the template's containers with our environment and mounts, and the GPUs bound our way;
+    """One of the template's containers with our environment and mounts, vLLM's engine core forked
+    (``ENGINE_START_ENV``, unless the template says otherwise) and the GPUs bound our way;
     with the compile cache's mount and the variables of it the template does not set (``compile_cache``)."""
     c = dict(container)
+    own = {e.get("name") for e in c.get("env") or [] if isinstance(e, Mapping)}
     c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + env
+    c["env"] += [{"name": var, "value": value} for var, value in ENGINE_START_ENV if var not in own]
     c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
                          if m.get("name") not in OUR_VOLUMES
                          and m.get("mountPath") not in (sockets, *OUR_MOUNT_PATHS)] + mounts
