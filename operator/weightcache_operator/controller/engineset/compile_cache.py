@@ -13,7 +13,7 @@ directory, ``<root>/<namespace>/<engineset>/<key>``; ``None`` when the cache is 
 value ``compileCache.enabled``, EngineSet ``spec.compileCache.enabled``). It then adds
 ``compile_cache_volume`` (hostPath, ``DirectoryOrCreate``: the kubelet creates it) and, to each
 engine container that may write it (``container_may_write``), ``COMPILE_CACHE_MOUNT`` and the
-variables of ``compile_cache_env`` that the container does not set itself.
+variables of ``COMPILE_CACHE_ENV_VALUES`` that the container does not set itself.
 
 The key is a hash of what makes compiled artifacts of one EngineSet incompatible: the
 containers' images (torch, Triton, vLLM versions), the model and its revision, dtype,
@@ -61,6 +61,8 @@ COMPILE_CACHE_ENV: tuple[tuple[str, str], ...] = (
     ("TVM_FFI_CACHE_DIR", "tvm-ffi"),            # SGLang's and FlashInfer's tvm-ffi JIT builds
 )
 COMPILE_CACHE_ENV_NAMES = tuple(name for name, _ in COMPILE_CACHE_ENV)
+# The same as an engine container's variables (a template's own value of one wins).
+COMPILE_CACHE_ENV_VALUES = tuple((name, f"{COMPILE_CACHE_MOUNT}/{sub}") for name, sub in COMPILE_CACHE_ENV)
 
 # Kubernetes namespace names (DNS-1123 labels) and EngineSet names (DNS-1035, checked by
 # parse_engineset): one path component each, never "." or "..".
@@ -103,13 +105,6 @@ def compile_cache_volume(directory: str) -> dict[str, Any]:
 
 def compile_cache_mount() -> dict[str, Any]:
     return {"name": COMPILE_CACHE_VOLUME, "mountPath": COMPILE_CACHE_MOUNT}
-
-
-def compile_cache_env(container: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The cache variables `container` does not set itself: a variable of the template wins."""
-    own = {e.get("name") for e in container.get("env") or [] if isinstance(e, Mapping)}
-    return [{"name": var, "value": f"{COMPILE_CACHE_MOUNT}/{sub}"}
-            for var, sub in COMPILE_CACHE_ENV if var not in own]
 
 
 def container_may_write(container: Mapping[str, Any], pod_spec: Mapping[str, Any]) -> bool:

@@ -46,10 +46,10 @@ from ..weightcache.manifests import (
     socket_dir,
 )
 from .compile_cache import (
+    COMPILE_CACHE_ENV_VALUES,
     COMPILE_CACHE_MOUNT,
     COMPILE_CACHE_VOLUME,
     compile_cache_dir,
-    compile_cache_env,
     compile_cache_mount,
     compile_cache_volume,
     container_may_write,
@@ -246,13 +246,13 @@ def _engine_container(container: Mapping[str, Any], es: EngineSetSpec, env: list
     with the compile cache's mount and the variables of it the template does not set (``compile_cache``)."""
     c = dict(container)
     own = {e.get("name") for e in c.get("env") or [] if isinstance(e, Mapping)}
+    defaults = ENGINE_START_ENV + (COMPILE_CACHE_ENV_VALUES if compile_cache else ())
     c["env"] = [e for e in c.get("env") or [] if e.get("name") not in ENV_NAMES] + env
-    c["env"] += [{"name": var, "value": value} for var, value in ENGINE_START_ENV if var not in own]
+    c["env"] += [{"name": var, "value": value} for var, value in defaults if var not in own]
     c["volumeMounts"] = [m for m in c.get("volumeMounts") or []
                          if m.get("name") not in OUR_VOLUMES
                          and m.get("mountPath") not in (sockets, *OUR_MOUNT_PATHS)] + mounts
     if compile_cache:
-        c["env"] += compile_cache_env(container)
         c["volumeMounts"].append(compile_cache_mount())
     resources = _strip_gpu_resource(c.get("resources") or {})
     if es.mode == "dra":
