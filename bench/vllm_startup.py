@@ -400,8 +400,9 @@ def main() -> int:
         for e in vllm_gpu.ENGINES:
             if e.alive():
                 e.stop()
-    warm = [r["seconds"] for r in runs if r["name"].startswith("warm ")]
-    fastest = min(warm, default=float("nan"))
+    # a start timed from its process's start, and one started ahead, timed from its go
+    warm = [r["seconds"] for r in runs if r["name"].startswith("warm") and r["imported_ahead_s"] is None]
+    from_go = [r["seconds"] for r in runs if r["imported_ahead_s"] is not None]
     s, together = data.get("standby") or {}, data.get("together")
     # the replacement standbys started ahead: (what was done before the go, its figures)
     started_ahead = [(how, data[key]) for key, how in (("standby_ahead", "imported"),
@@ -428,7 +429,10 @@ def main() -> int:
         together and "Two engines started together on an emptied node cache, then a third: " + "; ".join(
             f"{r['name']} {r['seconds']:.2f} s ({r['cache']}, tokens {r['tokens']!r})" for r in together) + ".",
     ]
-    bars = {"fastest warm start <= 10 s": fastest <= 10.0, "fastest warm start < 5 s": fastest < 5.0}
+    bars = {}
+    for what, seconds in (("warm start", warm), ("start from the go of one started ahead", from_go)):
+        if seconds:
+            bars[f"fastest {what} <= 10 s"], bars[f"fastest {what} < 5 s"] = min(seconds) <= 10.0, min(seconds) < 5.0
     if together:
         bars["a start after two compiled at once loads vLLM's artifact"] = together[-1]["cache"] == "artifact loaded"
     if s or started_ahead:
